@@ -1,0 +1,44 @@
+"""bbio: MPI I/O middleware for training and simulation jobs on Slurm clusters.
+
+Importing bbio never initialises MPI (Slurm prolog and epilog hooks import it
+without mpirun).  Calls that need MPI take a communicator explicitly.
+"""
+
+from bbio._version import __version__
+from bbio.config import Config, load_config
+from bbio.errors import (
+    AlreadyExistsError,
+    BBIOError,
+    BBIOTimeoutError,
+    CollectiveError,
+    ConfigError,
+    DependencyError,
+    IntegrityError,
+    IOFailure,
+    IsDirectoryError,
+    NoSpaceError,
+    NotDirectoryError,
+    NotFoundError,
+    PermissionDeniedError,
+    UsageError,
+)
+
+__all__ = [
+    "AlreadyExistsError",
+    "BBIOError",
+    "BBIOTimeoutError",
+    "CollectiveError",
+    "Config",
+    "ConfigError",
+    "DependencyError",
+    "IOFailure",
+    "IntegrityError",
+    "IsDirectoryError",
+    "NoSpaceError",
+    "NotDirectoryError",
+    "NotFoundError",
+    "PermissionDeniedError",
+    "UsageError",
+    "__version__",
+    "load_config",
+]

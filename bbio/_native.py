@@ -1,0 +1,278 @@
+"""The low level: the only module that imports the compiled extension.
+
+Each function maps to one function of ``csrc/bbio_native_api.h``; the C code
+runs with the GIL released.  Errors come back as :class:`bbio.BBIOError`
+subclasses that are also ``OSError`` and carry ``errno`` and the path.
+Nothing here is collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from bbio.errors import DependencyError, UsageError, errno_error
+
+try:
+    from bbio._bbio_native import ffi, lib
+except ImportError as exc:  # the package was not built: bbio info reports it
+    ffi = lib = None
+    LOAD_ERROR: str | None = str(exc)
+else:
+    LOAD_ERROR = None
+
+ALIGNMENT = 4096
+_thread_state = threading.local()
+
+
+def available() -> bool:
+    """Whether the compiled extension is loaded."""
+    return lib is not None
+
+
+def _lib():
+    if lib is None:
+        raise DependencyError(
+            f"bbio's native extension is not built ({LOAD_ERROR})",
+            hint="run 'make setup' or 'pip install -e .' in the bbio checkout",
+        )
+    return lib
+
+
+def hw_crc32c() -> bool:
+    """Whether CRC32C runs on hardware instructions (SSE4.2) on this CPU."""
+    return bool(_lib().bbio_crc32c_hw_available())
+
+
+def aligned_buffer(size: int) -> np.ndarray:
+    """A writable uint8 array of ``size`` bytes whose address is 4096-aligned (for O_DIRECT)."""
+    raw = np.empty(size + ALIGNMENT, dtype=np.uint8)
+    start = (-raw.ctypes.data) % ALIGNMENT
+    return raw[start : start + size]
+
+
+def _scratch(size: int) -> np.ndarray:
+    buf = getattr(_thread_state, "buffer", None)
+    if buf is None or buf.size != size:
+        buf = aligned_buffer(size)
+        _thread_state.buffer = buf
+    return buf
+
+
+def crc32c(data, value: int = 0, *, impl: str = "auto") -> int:
+    """CRC32C of any contiguous buffer, continuing from ``value``.
+
+    ``impl`` is "auto" (hardware when available), "hw" or "sw" (tables).
+    Equals ``crc32c.crc32c(data, value)`` from PyPI.
+    """
+    fn = {"auto": "bbio_crc32c", "hw": "bbio_crc32c_hw", "sw": "bbio_crc32c_sw"}.get(impl)
+    if fn is None:
+        raise UsageError(f"crc32c impl must be 'auto', 'hw' or 'sw', got {impl!r}")
+    view = memoryview(data)
+    if not view.contiguous:
+        raise UsageError("crc32c needs a contiguous buffer")
+    return int(getattr(_lib(), fn)(value & 0xFFFFFFFF, ffi.from_buffer(view), view.nbytes))
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC32C of A+B given ``crc1`` = CRC32C(A), ``crc2`` = CRC32C(B) and ``len2`` = len(B)."""
+    return int(_lib().bbio_crc32c_combine(crc1 & 0xFFFFFFFF, crc2 & 0xFFFFFFFF, len2))
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyResult:
+    """What a copy did: ``nbytes`` copied and their CRC32C (None if not computed)."""
+
+    nbytes: int
+    crc32c: int | None
+
+
+def copy_range(
+    src_fd: int,
+    dst_fd: int,
+    src_offset: int = 0,
+    dst_offset: int = 0,
+    length: int = -1,
+    *,
+    checksum: bool = True,
+    buffer_size: int = 2 << 20,
+    use_copy_file_range: bool = True,
+    src_path: str | os.PathLike | None = None,
+    dst_path: str | os.PathLike | None = None,
+) -> CopyResult:
+    """Copy ``length`` bytes (-1: to end of file) between descriptors at explicit offsets.
+
+    With ``checksum`` the bytes stream once through an aligned per-thread buffer:
+    pread, CRC32C, pwrite.  Without it, ``copy_file_range`` is used where the
+    kernel supports it.  Stops early at end of file.  The paths only name the
+    files in errors.
+    """
+    native = _lib()
+    buf = _scratch(buffer_size)
+    flags = 0
+    if checksum:
+        flags |= native.BBIO_COPY_CRC
+    if not use_copy_file_range:
+        flags |= native.BBIO_COPY_NO_COPY_FILE_RANGE
+    copied = ffi.new("int64_t *")
+    crc = ffi.new("uint32_t *")
+    failed_fd = ffi.new("int *")
+    err = native.bbio_copy_range(
+        src_fd,
+        dst_fd,
+        src_offset,
+        dst_offset,
+        length,
+        ffi.from_buffer(buf),
+        buf.size,
+        flags,
+        copied,
+        crc,
+        failed_fd,
+    )
+    if err:
+        if failed_fd[0] == dst_fd:
+            raise errno_error(err, "write the copy", dst_path)
+        raise errno_error(err, "read for copying", src_path)
+    return CopyResult(int(copied[0]), int(crc[0]) if checksum else None)
+
+
+def _open(path: str | os.PathLike, flags: int, direct: bool, action: str, mode: int = 0o644) -> int:
+    if direct:
+        try:
+            return os.open(path, flags | os.O_DIRECT, mode)
+        except OSError as exc:  # tmpfs and some FUSE mounts refuse O_DIRECT
+            if exc.errno != errno.EINVAL:
+                raise errno_error(exc.errno, action, path) from None
+    try:
+        return os.open(path, flags, mode)
+    except OSError as exc:
+        raise errno_error(exc.errno, action, path) from None
+
+
+def _preallocate(fd: int, nbytes: int) -> bool:
+    """Reserve ``nbytes`` for ``fd`` (fails early when the device is full)."""
+    if nbytes <= 0:
+        return False
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            return False  # the file system cannot preallocate; the copy still works
+        raise
+    return True
+
+
+def copy_file(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    checksum: bool = True,
+    direct: bool = False,
+    buffer_size: int = 2 << 20,
+) -> CopyResult:
+    """Copy the whole file ``src`` into ``dst`` (created or truncated).
+
+    The destination is preallocated to the source's size first (less work for
+    the file system, and a full device fails before any byte is copied).
+    ``direct`` opens both with O_DIRECT where the file system allows it.  Does
+    not fsync and does not rename: the transfer layer does that.
+    """
+    src_fd = _open(src, os.O_RDONLY, direct, "open for reading")
+    try:
+        dst_fd = _open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct, "create")
+        try:
+            size = os.fstat(src_fd).st_size
+            try:
+                preallocated = _preallocate(dst_fd, size)
+            except OSError as exc:
+                raise errno_error(exc.errno, f"reserve {size} bytes for the copy", dst) from None
+            result = copy_range(
+                src_fd,
+                dst_fd,
+                checksum=checksum,
+                buffer_size=buffer_size,
+                src_path=src,
+                dst_path=dst,
+            )
+            if preallocated and result.nbytes != size:
+                os.ftruncate(dst_fd, result.nbytes)  # the source shrank during the copy
+            return result
+        finally:
+            os.close(dst_fd)
+    finally:
+        os.close(src_fd)
+
+
+def pread_batch(
+    fds: Sequence[int] | np.ndarray,
+    offsets: Sequence[int] | np.ndarray,
+    lengths: Sequence[int] | np.ndarray,
+    out,
+    out_offsets: Sequence[int] | np.ndarray | None = None,
+    *,
+    threads: int = 8,
+    paths: Sequence[str | os.PathLike] | None = None,
+    check: bool = True,
+) -> np.ndarray:
+    """Read many (fd, offset, length) requests into one buffer, ``threads`` in flight.
+
+    Request i lands at ``out[out_offsets[i]:]`` (default: packed in order).
+    Returns each request's bytes read (short only at end of file) or -errno.
+    With ``check``, a failed request raises an OSError-derived BBIOError naming
+    ``paths[i]``.
+    """
+    fd_arr = np.ascontiguousarray(fds, dtype=np.int32)
+    off_arr = np.ascontiguousarray(offsets, dtype=np.int64)
+    len_arr = np.ascontiguousarray(lengths, dtype=np.int64)
+    count = fd_arr.size
+    if off_arr.size != count or len_arr.size != count:
+        raise UsageError("pread_batch: fds, offsets and lengths must have the same length")
+    if out_offsets is None:
+        dst_arr = np.zeros(count, dtype=np.int64)
+        np.cumsum(len_arr[:-1], out=dst_arr[1:])
+    else:
+        dst_arr = np.ascontiguousarray(out_offsets, dtype=np.int64)
+        if dst_arr.size != count:
+            raise UsageError("pread_batch: out_offsets must have one entry per request")
+    view = memoryview(out)
+    if view.readonly or not view.contiguous:
+        raise UsageError("pread_batch: out must be a writable contiguous buffer")
+    if count and (
+        (len_arr < 0).any()
+        or (off_arr < 0).any()
+        or (dst_arr < 0).any()
+        or int((dst_arr + len_arr).max()) > view.nbytes
+    ):
+        raise UsageError(
+            f"pread_batch: requests must have non-negative offsets and lengths and fit in "
+            f"the {view.nbytes}-byte output buffer"
+        )
+    results = np.empty(count, dtype=np.int64)
+    failures = ffi.new("int64_t *")
+    _lib().bbio_pread_batch(
+        ffi.from_buffer("int[]", fd_arr),
+        ffi.from_buffer("int64_t[]", off_arr),
+        ffi.from_buffer("int64_t[]", len_arr),
+        ffi.from_buffer("int64_t[]", dst_arr),
+        count,
+        ffi.from_buffer(view),
+        max(1, threads),
+        ffi.from_buffer("int64_t[]", results, require_writable=True),
+        failures,
+    )
+    if check and failures[0]:
+        first = int(np.flatnonzero(results < 0)[0])
+        path = paths[first] if paths is not None else f"fd {int(fd_arr[first])}"
+        raise errno_error(
+            int(-results[first]),
+            f"read {int(len_arr[first])} bytes at offset {int(off_arr[first])} "
+            f"({failures[0]} of {count} requests failed)",
+            path,
+        )
+    return results

@@ -1,0 +1,170 @@
+"""All of bbio's settings, in one place.
+
+Precedence, lowest first: built-in defaults, then a TOML file, then ``BBIO_*``
+environment variables, then explicit arguments to :func:`load_config`.
+The file is the one named by the ``config_file`` argument or ``BBIO_CONFIG``,
+else ``/etc/bbio/bbio.toml`` when that exists.  ``docs/configuration.md`` lists
+every setting.  Nothing here touches MPI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import os
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from bbio.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+SITE_CONFIG_FILE = Path("/etc/bbio/bbio.toml")
+ENV_PREFIX = "BBIO_"
+
+
+def _setting(default: Any, help: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Resolved settings.  Build one with :func:`load_config`."""
+
+    bb_root: str = _setting(
+        "/tmp/bbio-{user}/bb/{node}",
+        "Node-local burst buffer directory. {node}, {job} and {user} are replaced.",
+    )
+    pfs_root: str | None = _setting(
+        None, "Parallel file system directory for bbio's shared files. {job} and {user} apply."
+    )
+    ranks_per_node: int | None = _setting(
+        None,
+        "Virtual nodes: group this many consecutive ranks into one node. "
+        "Unset: nodes are real hosts (MPI_COMM_TYPE_SHARED).",
+    )
+    job_id: str = _setting(
+        "local", "Job identifier; defaults to SLURM_JOB_ID when that is set, else 'local'."
+    )
+    copy_buffer_size: int = _setting(
+        2 << 20,
+        "Bytes of buffer per copy; large copies pipeline it in 4 slots (read | CRC32C+write).",
+    )
+    io_threads: int = _setting(8, "Threads the native batched reader keeps busy per process.")
+
+    def bb_dir(self, node: int) -> Path:
+        """The burst buffer directory of virtual or real node ``node``."""
+        return Path(self._expand(self.bb_root, node=node))
+
+    def pfs_dir(self) -> Path:
+        """The PFS root, or a ConfigError saying how to set it."""
+        if not self.pfs_root:
+            raise ConfigError(
+                "no PFS root is configured",
+                hint="set BBIO_PFS_ROOT, pfs_root in the config file, or pass pfs_root=",
+            )
+        return Path(self._expand(self.pfs_root, node=None))
+
+    def _expand(self, template: str, node: int | None) -> str:
+        text = template.replace("{job}", self.job_id).replace("{user}", _user_name())
+        if node is not None:
+            text = text.replace("{node}", str(node))
+        return os.path.expanduser(text)
+
+
+def _user_name() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return str(os.getuid())
+
+
+SETTINGS: dict[str, dataclasses.Field] = {f.name: f for f in dataclasses.fields(Config)}
+
+
+def _convert(name: str, raw: Any, source: str) -> Any:
+    """Coerce one raw value (TOML value or env string) to the setting's type."""
+    kind = SETTINGS[name].type
+    if raw is None or (isinstance(raw, str) and raw == "" and "None" in kind):
+        return None
+    if kind.startswith("int"):
+        try:
+            value = int(raw)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"{source}: {name} must be an integer, got {raw!r}",
+                hint=f"fix {name} in {source}",
+            ) from None
+        if value < 1:
+            raise ConfigError(f"{source}: {name} must be at least 1, got {value}")
+        return value
+    if not isinstance(raw, str):
+        raise ConfigError(f"{source}: {name} must be a string, got {raw!r}")
+    return raw
+
+
+def _file_layer(config_file: str | os.PathLike | None, env: Mapping[str, str]) -> dict:
+    path = config_file or env.get("BBIO_CONFIG")
+    if path is None:
+        if not SITE_CONFIG_FILE.exists():
+            return {}
+        path = SITE_CONFIG_FILE
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(
+            "the config file does not exist", path=path, hint="fix BBIO_CONFIG or config_file="
+        ) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"the config file is not valid TOML: {exc}", path=path) from None
+    unknown = sorted(set(data) - set(SETTINGS))
+    if unknown:
+        raise ConfigError(
+            f"unknown setting(s) {', '.join(unknown)} in config file {path}",
+            hint=f"known settings: {', '.join(SETTINGS)}",
+        )
+    return {k: _convert(k, v, f"config file {path}") for k, v in data.items()}
+
+
+def _env_layer(env: Mapping[str, str]) -> dict:
+    values = {}
+    if env.get("SLURM_JOB_ID"):
+        values["job_id"] = env["SLURM_JOB_ID"]
+    for name in SETTINGS:
+        key = ENV_PREFIX + name.upper()
+        if key in env:
+            values[name] = _convert(name, env[key], f"environment variable {key}")
+    return values
+
+
+def load_config(
+    config_file: str | os.PathLike | None = None,
+    env: Mapping[str, str] | None = None,
+    **overrides: Any,
+) -> Config:
+    """Resolve settings: defaults < TOML file < ``BBIO_*`` env < ``overrides``.
+
+    Not collective; reads only the process environment and one file.
+    ``overrides`` whose value is None are ignored, so CLI flags can be passed
+    through unconditionally.
+    """
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    values.update(_file_layer(config_file, env))
+    values.update(_env_layer(env))
+    for name, raw in overrides.items():
+        if name not in SETTINGS:
+            raise ConfigError(
+                f"unknown setting {name!r}", hint=f"known settings: {', '.join(SETTINGS)}"
+            )
+        if raw is not None:
+            values[name] = _convert(
+                name, os.fspath(raw) if isinstance(raw, Path) else raw, "argument"
+            )
+    return Config(**values)

@@ -1,0 +1,90 @@
+"""What ``bbio info`` reports: the stack bbio runs on, gathered without initialising MPI."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+from bbio import _native
+from bbio._version import __version__
+from bbio.config import Config
+from bbio.errors import ConfigError
+from bbio.mpi import library_version
+
+
+@dataclasses.dataclass(frozen=True)
+class RootInfo:
+    """A configured directory and the free space of the file system that holds it."""
+
+    template: str
+    path: str | None
+    free_bytes: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class StackInfo:
+    """Versions and capabilities of everything bbio depends on."""
+
+    bbio_version: str
+    mpi_library: str
+    mpi4py_version: str
+    h5py_version: str | None
+    hdf5_version: str | None
+    h5py_mpi: bool
+    native_loaded: bool
+    native_error: str | None
+    crc32c_hardware: bool
+    bb: RootInfo
+    pfs: RootInfo
+    ranks_per_node: int | None
+    job_id: str
+
+
+def free_bytes(path: Path) -> int | None:
+    """Free bytes on the file system of ``path``, or of its nearest existing parent."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return shutil.disk_usage(candidate).free
+    return None
+
+
+def _root(template: str | None, resolve) -> RootInfo:
+    if not template:
+        return RootInfo("(not set)", None, None)
+    try:
+        path = resolve()
+    except ConfigError:
+        return RootInfo(template, None, None)
+    return RootInfo(template, str(path), free_bytes(path))
+
+
+def collect(config: Config) -> StackInfo:
+    """Gather versions and capabilities.  Not collective, and leaves MPI uninitialised."""
+    import mpi4py
+
+    mpi_library = library_version()  # first: it tells mpi4py not to initialise MPI
+    try:
+        import h5py
+    except ImportError:
+        h5py_version = hdf5_version = None
+        h5py_mpi = False
+    else:
+        h5py_version = h5py.version.version
+        hdf5_version = h5py.version.hdf5_version
+        h5py_mpi = bool(h5py.get_config().mpi)
+    return StackInfo(
+        bbio_version=__version__,
+        mpi_library=mpi_library,
+        mpi4py_version=mpi4py.__version__,
+        h5py_version=h5py_version,
+        hdf5_version=hdf5_version,
+        h5py_mpi=h5py_mpi,
+        native_loaded=_native.available(),
+        native_error=_native.LOAD_ERROR,
+        crc32c_hardware=_native.available() and _native.hw_crc32c(),
+        bb=_root(config.bb_root, lambda: config.bb_dir(0)),
+        pfs=_root(config.pfs_root, config.pfs_dir),
+        ranks_per_node=config.ranks_per_node,
+        job_id=config.job_id,
+    )

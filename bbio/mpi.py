@@ -1,0 +1,188 @@
+"""The MPI shell's helpers: node topology (real or virtual) and agreement on errors.
+
+Importing this module does not import ``mpi4py.MPI``: every function receives
+a communicator, so MPI is already initialised by the caller.  The only call
+that works without an initialised MPI is :func:`library_version`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from bbio.errors import CLASSES_BY_NAME, BBIOError, BBIOTimeoutError, CollectiveError
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI
+
+
+@dataclasses.dataclass
+class Topology:
+    """How the ranks of ``comm`` group into nodes.
+
+    ``node_comm`` holds the ranks of this rank's node; ``leader_comm`` holds
+    rank 0 of every node, and is None on the other ranks.  Nodes are numbered
+    0..nodes-1 in the order of their lowest world rank.
+    """
+
+    comm: Any
+    node_comm: Any
+    leader_comm: Any | None
+    node: int
+    nodes: int
+    virtual: bool
+
+    @property
+    def is_leader(self) -> bool:
+        """True on the rank that leads its node (node rank 0)."""
+        return self.node_comm.Get_rank() == 0
+
+    def node_of_rank(self) -> list[int]:
+        """Collective over ``comm``: the node index of every rank of ``comm``."""
+        return self.comm.allgather(self.node)
+
+    def free(self) -> None:
+        """Free the communicators this topology created.  Collective over ``comm``."""
+        self.node_comm.Free()
+        if self.leader_comm is not None:
+            self.leader_comm.Free()
+
+
+def topology(comm, ranks_per_node: int | None = None) -> Topology:
+    """Split ``comm`` into nodes.  Collective over ``comm``.
+
+    With ``ranks_per_node`` set (``BBIO_RANKS_PER_NODE``), consecutive groups of
+    that many ranks form virtual nodes, which is how multi-node behaviour is
+    tested on one machine.  Otherwise ranks sharing memory form a node.
+    """
+    mpi = _mpi()
+    rank = comm.Get_rank()
+    if ranks_per_node:
+        node_comm = comm.Split(color=rank // ranks_per_node, key=rank)
+    else:
+        node_comm = comm.Split_type(mpi.COMM_TYPE_SHARED, key=rank)
+    is_leader = node_comm.Get_rank() == 0
+    leader_comm = comm.Split(color=0 if is_leader else mpi.UNDEFINED, key=rank)
+    if leader_comm == mpi.COMM_NULL:
+        leader_comm = None
+    node, nodes = (leader_comm.Get_rank(), leader_comm.Get_size()) if is_leader else (0, 0)
+    node, nodes = node_comm.bcast((node, nodes), root=0)
+    return Topology(comm, node_comm, leader_comm, node, nodes, virtual=bool(ranks_per_node))
+
+
+def all_agree(comm, ok: bool) -> bool:
+    """Collective over ``comm``: True only if ``ok`` is True on every rank."""
+    return bool(comm.allreduce(bool(ok), op=_mpi().LAND))
+
+
+def _describe(exc: BaseException) -> tuple[str, str]:
+    return type(exc).__name__, str(exc)
+
+
+def agreed_error(failures: list[tuple[int, str, str]], what: str) -> BBIOError:
+    """The one error every rank raises for ``failures`` [(rank, class, message)].
+
+    The lowest failing rank's error is kept, with its class when that is a
+    bbio error class; other exceptions become :class:`CollectiveError`.
+    """
+    rank, cls_name, message = failures[0]
+    others = ""
+    if len(failures) > 1:
+        more = ", ".join(str(r) for r, _, _ in failures[1:])
+        others = f" (ranks {more} failed too)"
+    cls = CLASSES_BY_NAME.get(cls_name)
+    if cls is None:
+        return CollectiveError(f"{what} failed on rank {rank}: {cls_name}: {message}{others}")
+    return cls(f"{what} failed on rank {rank}: {message}{others}")
+
+
+@contextmanager
+def agreed(comm, what: str) -> Iterator[None]:
+    """Collective over ``comm``: run the block, then make every rank agree on its outcome.
+
+    If the block raises on any rank, every rank raises the same error, naming
+    the failing rank and its message (the local exception is chained as the
+    cause).  No rank is left waiting: the agreement is one allgather that every
+    rank reaches, failed or not, so the block itself must not enter a collective
+    after a local failure could have happened on another rank.
+    """
+    local: Exception | None = None
+    try:
+        yield
+    except Exception as exc:
+        local = exc
+    outcome = None if local is None else _describe(local)
+    outcomes = comm.allgather(outcome)
+    failures = [(r, *o) for r, o in enumerate(outcomes) if o is not None]
+    if failures:
+        raise agreed_error(failures, what) from local
+
+
+def wait_all_ranks(comm, timeout: float, what: str) -> None:
+    """Collective over ``comm``: a barrier that raises instead of waiting forever.
+
+    Polls a non-blocking barrier; after ``timeout`` seconds the ranks that are
+    still waiting raise :class:`BBIOTimeoutError` naming ``what``.
+    """
+    request = comm.Ibarrier()
+    deadline = time.monotonic() + timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise BBIOTimeoutError(
+                f"{what}: other ranks did not arrive within {timeout:.0f} s",
+                rank=comm.Get_rank(),
+                hint="another rank failed or hangs; see its output",
+            )
+        time.sleep(0.001)
+
+
+def abort_on_error(comm, main: Callable[[], int | None]) -> int:
+    """Run a program's ``main`` on this rank; if it raises, print and abort the job.
+
+    Like ``python -m mpi4py``: one rank's uncaught exception ends every rank,
+    so an MPI job never hangs on a dead peer.
+    """
+    try:
+        return int(main() or 0)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+        if code and comm.Get_size() > 1:
+            sys.stdout.flush()
+            comm.Abort(code)
+        return code
+    except BaseException as exc:
+        rank = comm.Get_rank()
+        if isinstance(exc, BBIOError):
+            print(f"bbio: error on rank {rank}: {exc}", file=sys.stderr, flush=True)
+        else:
+            tb = "".join(traceback.format_exception(exc))
+            print(f"bbio: rank {rank} failed:\n{tb}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        if comm.Get_size() > 1:
+            comm.Abort(1)
+        return 1
+
+
+def library_version() -> str:
+    """The MPI library's version string, without initialising MPI.  Not collective."""
+    import mpi4py
+
+    if "mpi4py.MPI" not in sys.modules:
+        mpi4py.rc.initialize = False
+        mpi4py.rc.finalize = False
+    return _mpi().Get_library_version().replace("\x00", "").strip()
+
+
+def is_initialized() -> bool:
+    """Whether MPI has been initialised in this process (False if mpi4py is not loaded)."""
+    if "mpi4py.MPI" not in sys.modules:
+        return False
+    return bool(_mpi().Is_initialized())

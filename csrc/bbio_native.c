@@ -1,0 +1,591 @@
+/* bbio's native hot paths: CRC32C, copy with CRC in one pass, batched preads.
+ * See bbio_native_api.h for the contract of each function. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "bbio_native_api.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define BBIO_X86_CRC 1
+#include <nmmintrin.h>
+#endif
+
+#define CRC32C_POLY 0x82f63b78u
+#define DEFAULT_BUFFER_SIZE ((size_t)2 << 20)
+#define ALIGNMENT 4096u
+
+/* ------------------------------------------------------------------ CRC32C */
+
+static uint32_t crc32c_table[8][256];
+static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
+
+/* CRCs are linear over GF(2): a 32x32 bit matrix (32 columns) maps a CRC to
+ * the CRC after appending zero bits.  Used to combine and to shift CRCs. */
+static uint32_t gf2_matrix_times(const uint32_t *mat, uint32_t vec)
+{
+    uint32_t sum = 0;
+    while (vec) {
+        if (vec & 1)
+            sum ^= *mat;
+        vec >>= 1;
+        mat++;
+    }
+    return sum;
+}
+
+static void gf2_matrix_square(uint32_t *square, const uint32_t *mat)
+{
+    for (int n = 0; n < 32; n++)
+        square[n] = gf2_matrix_times(mat, mat[n]);
+}
+
+/* The operator for one zero bit, as a matrix. */
+static void one_zero_bit(uint32_t *op)
+{
+    uint32_t row = 1;
+    op[0] = CRC32C_POLY;
+    for (int n = 1; n < 32; n++) {
+        op[n] = row;
+        row <<= 1;
+    }
+}
+
+uint32_t bbio_crc32c_combine(uint32_t crc1, uint32_t crc2, int64_t len2)
+{
+    uint32_t even[32], odd[32];
+    if (len2 <= 0)
+        return crc1;
+    one_zero_bit(odd);
+    gf2_matrix_square(even, odd); /* two zero bits */
+    gf2_matrix_square(odd, even); /* four zero bits */
+    do {
+        gf2_matrix_square(even, odd); /* first pass: one zero byte */
+        if (len2 & 1)
+            crc1 = gf2_matrix_times(even, crc1);
+        len2 >>= 1;
+        if (len2 == 0)
+            break;
+        gf2_matrix_square(odd, even);
+        if (len2 & 1)
+            crc1 = gf2_matrix_times(odd, crc1);
+        len2 >>= 1;
+    } while (len2);
+    return crc1 ^ crc2;
+}
+
+#ifdef BBIO_X86_CRC
+/* The hardware path runs three interleaved streams over blocks of LONG (then
+ * SHORT) bytes and merges them by "shifting" a CRC over zero bytes with
+ * precomputed operator tables (the method of Mark Adler's crc32c.c). */
+#define LONG_BLOCK 8192u
+#define SHORT_BLOCK 256u
+static uint32_t shift_long[4][256];
+static uint32_t shift_short[4][256];
+
+/* Operator that appends len zero bytes to a CRC; len must be a power of 2. */
+static void zeros_operator(uint32_t *even, size_t len)
+{
+    uint32_t odd[32];
+    one_zero_bit(odd);
+    gf2_matrix_square(even, odd); /* two zero bits */
+    gf2_matrix_square(odd, even); /* four zero bits */
+    do {
+        gf2_matrix_square(even, odd);
+        len >>= 1;
+        if (len == 0)
+            return;
+        gf2_matrix_square(odd, even);
+        len >>= 1;
+    } while (len);
+    memcpy(even, odd, sizeof(odd));
+}
+
+static void zeros_tables(uint32_t zeros[4][256], size_t len)
+{
+    uint32_t op[32];
+    zeros_operator(op, len);
+    for (uint32_t n = 0; n < 256; n++) {
+        zeros[0][n] = gf2_matrix_times(op, n);
+        zeros[1][n] = gf2_matrix_times(op, n << 8);
+        zeros[2][n] = gf2_matrix_times(op, n << 16);
+        zeros[3][n] = gf2_matrix_times(op, n << 24);
+    }
+}
+
+static uint32_t crc_shift(uint32_t zeros[4][256], uint32_t crc)
+{
+    return zeros[0][crc & 0xff] ^ zeros[1][(crc >> 8) & 0xff] ^
+           zeros[2][(crc >> 16) & 0xff] ^ zeros[3][crc >> 24];
+}
+#endif
+
+static void init_tables(void)
+{
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t crc = n;
+        for (int k = 0; k < 8; k++)
+            crc = (crc & 1) ? (crc >> 1) ^ CRC32C_POLY : crc >> 1;
+        crc32c_table[0][n] = crc;
+    }
+    for (uint32_t n = 0; n < 256; n++) {
+        uint32_t crc = crc32c_table[0][n];
+        for (int k = 1; k < 8; k++) {
+            crc = crc32c_table[0][crc & 0xff] ^ (crc >> 8);
+            crc32c_table[k][n] = crc;
+        }
+    }
+#ifdef BBIO_X86_CRC
+    zeros_tables(shift_long, LONG_BLOCK);
+    zeros_tables(shift_short, SHORT_BLOCK);
+#endif
+}
+
+uint32_t bbio_crc32c_sw(uint32_t crc, const void *buf, size_t len)
+{
+    const unsigned char *next = buf;
+    pthread_once(&tables_once, init_tables);
+    crc = ~crc;
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    while (len && ((uintptr_t)next & 7) != 0) {
+        crc = crc32c_table[0][(crc ^ *next++) & 0xff] ^ (crc >> 8);
+        len--;
+    }
+    while (len >= 8) {
+        uint64_t word;
+        memcpy(&word, next, 8);
+        word ^= crc;
+        crc = crc32c_table[7][word & 0xff] ^
+              crc32c_table[6][(word >> 8) & 0xff] ^
+              crc32c_table[5][(word >> 16) & 0xff] ^
+              crc32c_table[4][(word >> 24) & 0xff] ^
+              crc32c_table[3][(word >> 32) & 0xff] ^
+              crc32c_table[2][(word >> 40) & 0xff] ^
+              crc32c_table[1][(word >> 48) & 0xff] ^
+              crc32c_table[0][word >> 56];
+        next += 8;
+        len -= 8;
+    }
+#endif
+    while (len) {
+        crc = crc32c_table[0][(crc ^ *next++) & 0xff] ^ (crc >> 8);
+        len--;
+    }
+    return ~crc;
+}
+
+#ifdef BBIO_X86_CRC
+__attribute__((target("sse4.2"))) static uint32_t
+crc32c_sse42(uint32_t crc, const void *buf, size_t len)
+{
+    const unsigned char *next = buf;
+    uint64_t crc0 = ~crc, crc1, crc2;
+
+    while (len && ((uintptr_t)next & 7) != 0) {
+        crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
+        len--;
+    }
+    while (len >= 3 * LONG_BLOCK) {
+        const unsigned char *end = next + LONG_BLOCK;
+        crc1 = crc2 = 0;
+        do {
+            uint64_t w0, w1, w2;
+            memcpy(&w0, next, 8);
+            memcpy(&w1, next + LONG_BLOCK, 8);
+            memcpy(&w2, next + 2 * LONG_BLOCK, 8);
+            crc0 = _mm_crc32_u64(crc0, w0);
+            crc1 = _mm_crc32_u64(crc1, w1);
+            crc2 = _mm_crc32_u64(crc2, w2);
+            next += 8;
+        } while (next < end);
+        crc0 = crc_shift(shift_long, (uint32_t)crc0) ^ crc1;
+        crc0 = crc_shift(shift_long, (uint32_t)crc0) ^ crc2;
+        next += 2 * LONG_BLOCK;
+        len -= 3 * LONG_BLOCK;
+    }
+    while (len >= 3 * SHORT_BLOCK) {
+        const unsigned char *end = next + SHORT_BLOCK;
+        crc1 = crc2 = 0;
+        do {
+            uint64_t w0, w1, w2;
+            memcpy(&w0, next, 8);
+            memcpy(&w1, next + SHORT_BLOCK, 8);
+            memcpy(&w2, next + 2 * SHORT_BLOCK, 8);
+            crc0 = _mm_crc32_u64(crc0, w0);
+            crc1 = _mm_crc32_u64(crc1, w1);
+            crc2 = _mm_crc32_u64(crc2, w2);
+            next += 8;
+        } while (next < end);
+        crc0 = crc_shift(shift_short, (uint32_t)crc0) ^ crc1;
+        crc0 = crc_shift(shift_short, (uint32_t)crc0) ^ crc2;
+        next += 2 * SHORT_BLOCK;
+        len -= 3 * SHORT_BLOCK;
+    }
+    while (len >= 8) {
+        uint64_t w;
+        memcpy(&w, next, 8);
+        crc0 = _mm_crc32_u64(crc0, w);
+        next += 8;
+        len -= 8;
+    }
+    while (len) {
+        crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
+        len--;
+    }
+    return ~(uint32_t)crc0;
+}
+#endif
+
+int bbio_crc32c_hw_available(void)
+{
+#ifdef BBIO_X86_CRC
+    return __builtin_cpu_supports("sse4.2") ? 1 : 0;
+#else
+    return 0;
+#endif
+}
+
+uint32_t bbio_crc32c_hw(uint32_t crc, const void *buf, size_t len)
+{
+#ifdef BBIO_X86_CRC
+    if (bbio_crc32c_hw_available()) {
+        pthread_once(&tables_once, init_tables);
+        return crc32c_sse42(crc, buf, len);
+    }
+#endif
+    return bbio_crc32c_sw(crc, buf, len);
+}
+
+uint32_t bbio_crc32c(uint32_t crc, const void *buf, size_t len)
+{
+    return bbio_crc32c_hw(crc, buf, len);
+}
+
+/* -------------------------------------------------------------------- copy */
+
+/* pread/pwrite that retry on EINTR and, when an O_DIRECT descriptor rejects an
+ * unaligned tail (EINVAL), drop O_DIRECT for the rest of the transfer. */
+static int drop_direct(int fd)
+{
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || !(fl & O_DIRECT))
+        return 0;
+    return fcntl(fd, F_SETFL, fl & ~O_DIRECT) == 0;
+}
+
+static ssize_t pread_retry(int fd, void *buf, size_t len, int64_t off)
+{
+    for (;;) {
+        ssize_t n = pread(fd, buf, len, (off_t)off);
+        if (n >= 0)
+            return n;
+        if (errno == EINTR)
+            continue;
+        if (errno == EINVAL && drop_direct(fd))
+            continue;
+        return -1;
+    }
+}
+
+static int pwrite_all(int fd, const unsigned char *buf, size_t len, int64_t off)
+{
+    while (len) {
+        ssize_t n = pwrite(fd, buf, len, (off_t)off);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            if (errno == EINVAL && drop_direct(fd))
+                continue;
+            return errno;
+        }
+        if (n == 0)
+            return EIO;
+        buf += n;
+        len -= (size_t)n;
+        off += n;
+    }
+    return 0;
+}
+
+static int copy_kernel(int src_fd, int dst_fd, int64_t src_off,
+                       int64_t dst_off, int64_t len, int64_t *copied,
+                       int *failed_fd, int *unsupported)
+{
+    loff_t in = src_off, out = dst_off;
+    while (len < 0 || *copied < len) {
+        size_t want = (len < 0 || len - *copied > (int64_t)(1 << 30))
+                          ? (size_t)1 << 30
+                          : (size_t)(len - *copied);
+        ssize_t n = copy_file_range(src_fd, &in, dst_fd, &out, want, 0);
+        if (n > 0) {
+            *copied += n;
+            continue;
+        }
+        if (n == 0)
+            return 0;
+        if (errno == EINTR)
+            continue;
+        if (*copied == 0 && (errno == EXDEV || errno == ENOSYS ||
+                             errno == EOPNOTSUPP || errno == EINVAL ||
+                             errno == EBADF || errno == EPERM)) {
+            *unsupported = 1;
+            return 0;
+        }
+        *failed_fd = dst_fd;
+        return errno;
+    }
+    return 0;
+}
+
+static int copy_buffered(int src_fd, int dst_fd, int64_t src_off,
+                         int64_t dst_off, int64_t len, unsigned char *buf,
+                         size_t buf_size, int with_crc, int64_t *copied,
+                         uint32_t *crc, int *failed_fd)
+{
+    while (len < 0 || *copied < len) {
+        size_t want = buf_size;
+        if (len >= 0 && (int64_t)want > len - *copied)
+            want = (size_t)(len - *copied);
+        ssize_t n = pread_retry(src_fd, buf, want, src_off + *copied);
+        if (n < 0) {
+            *failed_fd = src_fd;
+            return errno;
+        }
+        if (n == 0)
+            return 0;
+        if (with_crc)
+            *crc = bbio_crc32c(*crc, buf, (size_t)n);
+        int err = pwrite_all(dst_fd, buf, (size_t)n, dst_off + *copied);
+        if (err) {
+            *failed_fd = dst_fd;
+            return err;
+        }
+        *copied += n;
+    }
+    return 0;
+}
+
+/* Large copies run on two threads when the process may use two CPUs: each
+ * copies one contiguous half (pread, CRC32C, pwrite through its own part of the
+ * buffer, so the bytes never move between CPU caches), and the two CRCs are
+ * combined.  Small copies, and ranks bound to one core, copy serially. */
+#define SPLIT_THREADS 2
+#define SPLIT_MIN_BYTES ((int64_t)8 << 20)
+/* Serial copies move at most this much per pread/pwrite, so the buffer stays in
+ * the CPU's L2 cache between the read, the CRC and the write. */
+#define SERIAL_CHUNK ((size_t)256 << 10)
+
+struct part {
+    int src_fd, dst_fd;
+    int64_t src_off, dst_off, len;
+    unsigned char *buf;
+    size_t buf_size;
+    int with_crc;
+    int64_t copied;
+    uint32_t crc;
+    int failed_fd;
+    int err;
+};
+
+static void *copy_part(void *arg)
+{
+    struct part *p = arg;
+    p->err = copy_buffered(p->src_fd, p->dst_fd, p->src_off, p->dst_off,
+                           p->len, p->buf, p->buf_size, p->with_crc,
+                           &p->copied, &p->crc, &p->failed_fd);
+    return NULL;
+}
+
+/* Returns -1 if the second thread could not start (the caller copies serially). */
+static int copy_split(int src_fd, int dst_fd, int64_t src_off, int64_t dst_off,
+                      int64_t total, unsigned char *buf, size_t buf_size,
+                      int with_crc, int64_t *copied, uint32_t *crc,
+                      int *failed_fd)
+{
+    struct part parts[SPLIT_THREADS];
+    int64_t half = (total / SPLIT_THREADS) & ~(int64_t)(ALIGNMENT - 1);
+    size_t part_buf = (buf_size / SPLIT_THREADS) & ~(size_t)(ALIGNMENT - 1);
+    if (part_buf > SERIAL_CHUNK)
+        part_buf = SERIAL_CHUNK;
+    for (int i = 0; i < SPLIT_THREADS; i++) {
+        int64_t start = half * i;
+        parts[i] = (struct part){
+            .src_fd = src_fd,
+            .dst_fd = dst_fd,
+            .src_off = src_off + start,
+            .dst_off = dst_off + start,
+            .len = i == SPLIT_THREADS - 1 ? total - start : half,
+            .buf = buf + (size_t)i * part_buf,
+            .buf_size = part_buf,
+            .with_crc = with_crc,
+            .failed_fd = -1,
+        };
+    }
+    pthread_t helper;
+    if (pthread_create(&helper, NULL, copy_part, &parts[1]) != 0)
+        return -1;
+    copy_part(&parts[0]);
+    pthread_join(helper, NULL);
+    for (int i = 0; i < SPLIT_THREADS; i++) {
+        if (parts[i].err) {
+            *failed_fd = parts[i].failed_fd;
+            return parts[i].err;
+        }
+    }
+    /* The result is the contiguous prefix copied: a part that stopped short
+     * (the file shrank) ends it. */
+    *copied = 0;
+    *crc = 0;
+    for (int i = 0; i < SPLIT_THREADS; i++) {
+        *crc = with_crc ? bbio_crc32c_combine(*crc, parts[i].crc, parts[i].copied) : 0;
+        *copied += parts[i].copied;
+        if (parts[i].copied < parts[i].len)
+            break;
+    }
+    return 0;
+}
+
+/* A second thread only pays off with a second CPU to run on. */
+static int cpus_available(void)
+{
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) != 0)
+        return 1;
+    return CPU_COUNT(&set);
+}
+
+static int64_t bytes_to_copy(int src_fd, int64_t src_off, int64_t len)
+{
+    struct stat st;
+    if (len >= 0)
+        return len;
+    if (fstat(src_fd, &st) != 0 || !S_ISREG(st.st_mode))
+        return 0;
+    return st.st_size > src_off ? st.st_size - src_off : 0;
+}
+
+int bbio_copy_range(int src_fd, int dst_fd, int64_t src_off, int64_t dst_off,
+                    int64_t len, void *buf, size_t buf_size, int flags,
+                    int64_t *copied, uint32_t *crc, int *failed_fd)
+{
+    *copied = 0;
+    *crc = 0;
+    *failed_fd = -1;
+    if (src_off < 0 || dst_off < 0)
+        return EINVAL;
+    if (!(flags & (BBIO_COPY_CRC | BBIO_COPY_NO_COPY_FILE_RANGE))) {
+        int unsupported = 0;
+        int err = copy_kernel(src_fd, dst_fd, src_off, dst_off, len, copied,
+                              failed_fd, &unsupported);
+        if (err || !unsupported)
+            return err;
+    }
+    void *owned = NULL;
+    if (buf == NULL || buf_size < ALIGNMENT) {
+        buf_size = DEFAULT_BUFFER_SIZE;
+        if (posix_memalign(&owned, ALIGNMENT, buf_size) != 0)
+            return ENOMEM;
+        buf = owned;
+    }
+    int with_crc = flags & BBIO_COPY_CRC;
+    int err = -1;
+    int64_t total = bytes_to_copy(src_fd, src_off, len);
+    if (total >= SPLIT_MIN_BYTES && buf_size >= SPLIT_THREADS * (size_t)ALIGNMENT &&
+        cpus_available() >= 2)
+        err = copy_split(src_fd, dst_fd, src_off, dst_off, total, buf, buf_size,
+                         with_crc, copied, crc, failed_fd);
+    if (err < 0)
+        err = copy_buffered(src_fd, dst_fd, src_off, dst_off, len, buf,
+                            buf_size < SERIAL_CHUNK ? buf_size : SERIAL_CHUNK,
+                            with_crc, copied, crc, failed_fd);
+    free(owned);
+    return err;
+}
+
+/* ------------------------------------------------------------ batched reads */
+
+struct batch {
+    const int *fds;
+    const int64_t *offsets;
+    const int64_t *lengths;
+    const int64_t *out_offsets;
+    int64_t count;
+    unsigned char *out;
+    int64_t *results;
+    int64_t next;     /* next request to claim, advanced atomically */
+    int64_t failures; /* advanced atomically */
+};
+
+static void read_one(struct batch *b, int64_t i)
+{
+    unsigned char *dst = b->out + b->out_offsets[i];
+    int64_t done = 0, want = b->lengths[i];
+    if (want < 0 || b->offsets[i] < 0) {
+        b->results[i] = -EINVAL;
+        __atomic_fetch_add(&b->failures, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    while (done < want) {
+        ssize_t n = pread_retry(b->fds[i], dst + done, (size_t)(want - done),
+                                b->offsets[i] + done);
+        if (n < 0) {
+            b->results[i] = -(int64_t)errno;
+            __atomic_fetch_add(&b->failures, 1, __ATOMIC_RELAXED);
+            return;
+        }
+        if (n == 0)
+            break;
+        done += n;
+    }
+    b->results[i] = done;
+}
+
+static void *batch_worker(void *arg)
+{
+    struct batch *b = arg;
+    for (;;) {
+        int64_t i = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED);
+        if (i >= b->count)
+            return NULL;
+        read_one(b, i);
+    }
+}
+
+int bbio_pread_batch(const int *fds, const int64_t *offsets,
+                     const int64_t *lengths, const int64_t *out_offsets,
+                     int64_t count, void *out, int nthreads,
+                     int64_t *results, int64_t *failures)
+{
+    struct batch b = {fds, offsets, lengths, out_offsets, count, out,
+                      results, 0, 0};
+    *failures = 0;
+    if (count < 0)
+        return EINVAL;
+    if (nthreads < 1)
+        nthreads = 1;
+    if ((int64_t)nthreads > count)
+        nthreads = (int)count;
+    pthread_t *threads = NULL;
+    int started = 0;
+    if (nthreads > 1) {
+        threads = calloc((size_t)nthreads - 1, sizeof(*threads));
+        /* If memory or threads run short, the calling thread does the rest. */
+        for (; threads && started < nthreads - 1; started++)
+            if (pthread_create(&threads[started], NULL, batch_worker, &b) != 0)
+                break;
+    }
+    batch_worker(&b);
+    for (int t = 0; t < started; t++)
+        pthread_join(threads[t], NULL);
+    free(threads);
+    *failures = b.failures;
+    return 0;
+}

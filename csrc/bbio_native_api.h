@@ -1,0 +1,39 @@
+/* Declarations only: this file is both #included by bbio_native.c and fed to
+ * cffi's cdef(), so it holds no preprocessor logic.  Every function returns 0
+ * or a positive errno value; results come back through OUT pointers.  None of
+ * them aborts the process, and all of them are safe to call without the GIL. */
+
+/* CRC32C (Castagnoli).  IN crc: the CRC of the bytes before buf (0 to start).
+ * The dispatcher uses SSE4.2 when the CPU has it, slicing-by-8 tables otherwise. */
+uint32_t bbio_crc32c(uint32_t crc, const void *buf, size_t len);
+uint32_t bbio_crc32c_sw(uint32_t crc, const void *buf, size_t len);
+uint32_t bbio_crc32c_hw(uint32_t crc, const void *buf, size_t len);
+int bbio_crc32c_hw_available(void);
+/* The CRC32C of A followed by B, from crc1 = CRC(A), crc2 = CRC(B), len2 = |B|. */
+uint32_t bbio_crc32c_combine(uint32_t crc1, uint32_t crc2, int64_t len2);
+
+/* Copy up to len bytes (len < 0: to end of file) from src_fd at src_off to
+ * dst_fd at dst_off, stopping early at end of file.
+ * IN  buf, buf_size: scratch buffer (NULL: allocate one, 4096-aligned).
+ * IN  flags: BBIO_COPY_* bits.
+ * OUT copied: bytes copied; crc: CRC32C of those bytes when BBIO_COPY_CRC;
+ *     failed_fd: on error, the descriptor whose call failed.
+ * With BBIO_COPY_CRC the bytes pass through buf once (pread, CRC, pwrite);
+ * copies of 8 MiB or more use two threads, one per half, when the process may
+ * run on two CPUs.  Without BBIO_COPY_CRC, copy_file_range is used when the
+ * kernel supports it. */
+int bbio_copy_range(int src_fd, int dst_fd, int64_t src_off, int64_t dst_off,
+                    int64_t len, void *buf, size_t buf_size, int flags,
+                    int64_t *copied, uint32_t *crc, int *failed_fd);
+
+#define BBIO_COPY_CRC 1
+#define BBIO_COPY_NO_COPY_FILE_RANGE 2
+
+/* Batched positional reads: request i reads lengths[i] bytes of fds[i] at
+ * offsets[i] into out + out_offsets[i].  nthreads threads keep requests in
+ * flight.  OUT results[i]: bytes read (less than lengths[i] only at end of
+ * file) or -errno.  OUT failures: how many requests failed. */
+int bbio_pread_batch(const int *fds, const int64_t *offsets,
+                     const int64_t *lengths, const int64_t *out_offsets,
+                     int64_t count, void *out, int nthreads,
+                     int64_t *results, int64_t *failures);

@@ -1,0 +1,55 @@
+"""The benchmark harness: registry, JSON layout, and the copy suite end to end."""
+
+from __future__ import annotations
+
+import json
+
+from bbio.bench import Results
+from bbio.bench.__main__ import build_parser
+from tests.conftest import run_python
+
+
+def test_results_keep_values_and_medians():
+    results = Results()
+    for value in (3.0, 1.0, 2.0):
+        results.add("case", "bbio", "GB_per_s", "GB/s", value)
+    measurement = results.get("case", "bbio", "GB_per_s")
+    assert measurement.values == [3.0, 1.0, 2.0]
+    assert measurement.to_json()["median"] == 2.0
+    assert "case" in results.table()
+
+
+def test_suites_register_themselves():
+    parser = build_parser()
+    args = parser.parse_args(["copy", "--quick", "--json", "x.json", "--dir", "/tmp"])
+    assert (args.suite, args.quick, args.json, args.dir) == ("copy", True, "x.json", "/tmp")
+
+
+def test_copy_suite_quick_writes_documented_json(tmp_path):
+    out = tmp_path / "copy.json"
+    result = run_python(
+        "-m",
+        "bbio.bench",
+        "copy",
+        "--quick",
+        "--json",
+        str(out),
+        "--dir",
+        str(tmp_path),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(out.read_text())
+    assert doc["suite"] == "copy"
+    assert doc["ranks"] == 1
+    assert doc["nodes"] == 1
+    assert {"cpu", "cores", "mpi", "bbio", "crc32c_hardware"} <= set(doc["machine"])
+    seen = {(r["case"], r["system"], r["metric"]) for r in doc["results"]}
+    for system in ("bbio", "shutil", "cp", "memcpy"):
+        assert ("copy-256MiB", system, "GB_per_s") in seen
+    for system in ("bbio", "crc32c", "zlib"):
+        assert ("crc32c", system, "GB_per_s") in seen
+    for entry in doc["results"]:
+        assert entry["unit"] == "GB/s"
+        assert entry["values"] and all(v > 0 for v in entry["values"])
+    assert list(tmp_path.iterdir()) == [out], "the suite left files behind"

@@ -1,0 +1,39 @@
+"""The bbio command line."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from bbio import __version__
+from tests.conftest import run_python
+
+
+def test_version():
+    result = run_python("-m", "bbio", "--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"bbio {__version__}"
+
+
+def test_console_script_info_reports_stack_and_roots(tmp_path):
+    bbio_cmd = Path(sys.executable).with_name("bbio")
+    assert bbio_cmd.exists(), "the bbio console script is not installed"
+    result = run_python(
+        str(bbio_cmd),
+        "info",
+        env={"BBIO_PFS_ROOT": str(tmp_path), "BBIO_BB_ROOT": str(tmp_path / "bb{node}")},
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "h5py with MPI     yes" in out
+    assert "native extension  loaded" in out
+    assert "CRC32C" in out
+    assert f"{tmp_path}/bb0" in out
+    assert "free" in out
+
+
+def test_bad_configuration_is_a_clear_error_not_a_traceback():
+    result = run_python("-m", "bbio", "info", env={"BBIO_RANKS_PER_NODE": "many"})
+    assert result.returncode == 1
+    assert result.stderr.startswith("bbio: error: environment variable BBIO_RANKS_PER_NODE")
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,69 @@
+"""Configuration precedence: defaults < TOML file < BBIO_* environment < arguments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bbio.config import Config, load_config
+from bbio.errors import ConfigError
+
+
+def test_defaults_without_file_or_environment(monkeypatch):
+    monkeypatch.setattr("bbio.config.SITE_CONFIG_FILE", Path("/nonexistent/bbio.toml"))
+    config = load_config(env={})
+    assert config == Config()
+    assert config.job_id == "local"
+    assert config.ranks_per_node is None
+    with pytest.raises(ConfigError, match="BBIO_PFS_ROOT"):
+        config.pfs_dir()
+
+
+def test_precedence(tmp_path):
+    toml = tmp_path / "bbio.toml"
+    toml.write_text('bb_root = "/file/bb/{node}"\npfs_root = "/file/pfs"\nranks_per_node = 8\n')
+    env = {"BBIO_CONFIG": str(toml), "BBIO_PFS_ROOT": "/env/pfs", "BBIO_RANKS_PER_NODE": "4"}
+    config = load_config(env=env, ranks_per_node=2)
+    assert config.bb_root == "/file/bb/{node}"
+    assert config.pfs_root == "/env/pfs"
+    assert config.ranks_per_node == 2
+    assert load_config(env=env, ranks_per_node=None).ranks_per_node == 4
+
+
+def test_placeholders_and_slurm_job_id():
+    env = {
+        "SLURM_JOB_ID": "4242",
+        "BBIO_BB_ROOT": "/bb/{job}/node{node}",
+        "BBIO_PFS_ROOT": "/p/{job}",
+    }
+    config = load_config(env=env)
+    assert config.job_id == "4242"
+    assert config.bb_dir(3) == Path("/bb/4242/node3")
+    assert config.pfs_dir() == Path("/p/4242")
+    assert load_config(env={**env, "BBIO_JOB_ID": "override"}).job_id == "override"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"BBIO_RANKS_PER_NODE": "two"}, "BBIO_RANKS_PER_NODE.*must be an integer"),
+        ({"BBIO_RANKS_PER_NODE": "0"}, "at least 1"),
+        ({"BBIO_CONFIG": "/nonexistent/file.toml"}, "does not exist"),
+    ],
+)
+def test_bad_values_name_their_source(env, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(env=env)
+
+
+def test_unknown_and_malformed_file(tmp_path):
+    toml = tmp_path / "bbio.toml"
+    toml.write_text('bb_rot = "/typo"\n')
+    with pytest.raises(ConfigError, match=r"unknown setting.*bb_rot"):
+        load_config(config_file=toml, env={})
+    toml.write_text("bb_root = \n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(config_file=toml, env={})
+    with pytest.raises(ConfigError, match="unknown setting 'nope'"):
+        load_config(env={}, nope=1)

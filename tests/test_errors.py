@@ -1,0 +1,54 @@
+"""The error hierarchy: one root, built-in bases, messages that say where and what to do."""
+
+from __future__ import annotations
+
+import errno
+import pickle
+
+import pytest
+
+import bbio
+from bbio.errors import CLASSES_BY_NAME, error_class_for_errno, from_oserror
+
+
+def test_every_error_class_is_public_and_rooted_at_bbioerror():
+    for name, cls in CLASSES_BY_NAME.items():
+        assert issubclass(cls, bbio.BBIOError)
+        assert getattr(bbio, name) is cls
+
+
+@pytest.mark.parametrize(
+    ("code", "cls", "builtin"),
+    [
+        (errno.ENOENT, bbio.NotFoundError, FileNotFoundError),
+        (errno.EEXIST, bbio.AlreadyExistsError, FileExistsError),
+        (errno.EACCES, bbio.PermissionDeniedError, PermissionError),
+        (errno.EISDIR, bbio.IsDirectoryError, IsADirectoryError),
+        (errno.ENOTDIR, bbio.NotDirectoryError, NotADirectoryError),
+        (errno.ENOSPC, bbio.NoSpaceError, OSError),
+        (errno.EIO, bbio.IOFailure, OSError),
+    ],
+)
+def test_errno_table(code, cls, builtin):
+    assert error_class_for_errno(code) is cls
+    exc = from_oserror(OSError(code, "text"), "open for reading", "/some/path")
+    assert isinstance(exc, cls)
+    assert isinstance(exc, builtin)
+    assert exc.errno == code
+    assert exc.filename == "/some/path"
+    assert str(exc) == "cannot open for reading: text [/some/path]"
+
+
+def test_message_names_rank_node_path_and_hint():
+    exc = bbio.NoSpaceError(
+        "needs 10 GiB, 2 GiB free", path="/bb/0", rank=3, node=1, hint="free space on the BB"
+    )
+    assert str(exc) == "rank 3, node 1: needs 10 GiB, 2 GiB free [/bb/0]. free space on the BB"
+
+
+def test_errors_survive_pickling_between_ranks():
+    exc = bbio.NotFoundError("missing", path="/p", rank=1, hint="h", errno=errno.ENOENT)
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is bbio.NotFoundError
+    assert str(back) == str(exc)
+    assert back.errno == errno.ENOENT

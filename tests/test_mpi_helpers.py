@@ -1,0 +1,83 @@
+"""MPI helpers: real and virtual node topology, agreement on errors, no hangs."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import bbio
+from bbio.mpi import agreed, all_agree, topology, wait_all_ranks
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def test_virtual_nodes_group_consecutive_ranks(comm):
+    topo = topology(comm, ranks_per_node=2)
+    try:
+        rank, size = comm.Get_rank(), comm.Get_size()
+        assert topo.virtual
+        assert topo.node == rank // 2
+        assert topo.nodes == (size + 1) // 2
+        assert topo.node_comm.Get_size() == min(2, size - 2 * topo.node)
+        assert topo.is_leader == (rank % 2 == 0)
+        if topo.is_leader:
+            assert topo.leader_comm.Get_size() == topo.nodes
+            assert topo.leader_comm.Get_rank() == topo.node
+        else:
+            assert topo.leader_comm is None
+        assert topo.node_of_rank() == [r // 2 for r in range(size)]
+    finally:
+        topo.free()
+
+
+def test_real_nodes_are_hosts(comm):
+    topo = topology(comm, ranks_per_node=None)
+    try:
+        assert not topo.virtual
+        assert topo.nodes == 1  # one machine
+        assert topo.node == 0
+        assert topo.node_comm.Get_size() == comm.Get_size()
+    finally:
+        topo.free()
+
+
+def test_all_agree(comm):
+    assert all_agree(comm, True)
+    assert not all_agree(comm, comm.Get_rank() != 1)
+
+
+def test_one_failing_rank_makes_every_rank_raise_the_same_error(comm):
+    with pytest.raises(bbio.NotFoundError) as info, agreed(comm, "opening the dataset"):
+        if comm.Get_rank() == 1:
+            raise bbio.NotFoundError("no such dataset", path="/pfs/data")
+    message = str(info.value)
+    assert message.startswith("opening the dataset failed on rank 1: no such dataset")
+    assert "/pfs/data" in message
+    assert comm.allgather(message) == [message] * comm.Get_size()
+
+
+def test_foreign_exceptions_become_collective_errors(comm):
+    with pytest.raises(bbio.CollectiveError) as info, agreed(comm, "planning"):
+        if comm.Get_rank() >= 1:
+            raise KeyError("sample 7")
+    message = str(info.value)
+    assert message.startswith("planning failed on rank 1: KeyError: 'sample 7'")
+    if comm.Get_size() > 2:
+        assert "(ranks 2" in message
+    assert comm.allgather(message) == [message] * comm.Get_size()
+
+
+def test_agreed_passes_when_all_succeed(comm):
+    with agreed(comm, "nothing"):
+        value = comm.Get_rank()
+    assert value == comm.Get_rank()
+
+
+def test_wait_all_ranks_times_out_instead_of_hanging(comm):
+    if comm.Get_rank() == 0:
+        with pytest.raises(bbio.BBIOTimeoutError, match="other ranks did not arrive"):
+            wait_all_ranks(comm, 0.5, "late barrier")
+    else:
+        time.sleep(1.0)
+        comm.Ibarrier().Wait()  # matches rank 0's abandoned barrier, which then completes

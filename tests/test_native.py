@@ -1,0 +1,325 @@
+"""The native core against its plain-Python references and the crc32c package."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+
+import crc32c as crc32c_package
+import numpy as np
+import pytest
+
+from bbio import _native
+from bbio.errors import BBIOError, NoSpaceError, NotFoundError, UsageError
+from tests import native_reference as ref
+
+SMALL_BUFFER = 4 * 4096  # four pipeline slots of one page each
+SIZES = [0, 1, 4095, 4096, 4097, 3 * SMALL_BUFFER + 5, (9 << 20) + 3]
+
+
+def random_bytes(n: int, seed: int = 0) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def write_file(path, data: bytes):
+    path.write_bytes(data)
+    return path
+
+
+def test_native_extension_is_loaded():
+    assert _native.available(), _native.LOAD_ERROR
+
+
+@pytest.mark.parametrize("size", [0, 1, 7, 8, 9, 255, 767, 768, 769, 4095, 4097, 3 * 8192 + 17])
+@pytest.mark.parametrize("impl", ["auto", "hw", "sw"])
+def test_crc32c_matches_reference_and_package(size, impl):
+    data = random_bytes(size, seed=size)
+    expected = ref.crc32c(data)
+    assert _native.crc32c(data, impl=impl) == expected
+    assert crc32c_package.crc32c(data) == expected
+
+
+def test_crc32c_known_check_value():
+    assert _native.crc32c(b"123456789") == 0xE3069283
+
+
+@pytest.mark.parametrize("impl", ["hw", "sw"])
+def test_crc32c_large_buffer_matches_package(impl):
+    data = np.random.default_rng(5).integers(0, 256, (3 << 20) + 11, dtype=np.uint8)
+    assert _native.crc32c(data, impl=impl) == crc32c_package.crc32c(data.tobytes())
+
+
+@pytest.mark.parametrize("offset", range(9))
+def test_crc32c_unaligned_start(offset):
+    data = random_bytes(100_000 + offset, seed=3)[offset:]
+    assert _native.crc32c(memoryview(data), impl="hw") == crc32c_package.crc32c(data)
+
+
+def test_crc32c_continues_across_pieces():
+    data = random_bytes(50_000, seed=9)
+    crc = 0
+    for start in range(0, len(data), 4097):
+        crc = _native.crc32c(data[start : start + 4097], crc)
+    assert crc == crc32c_package.crc32c(data)
+
+
+def test_crc32c_rejects_non_contiguous_buffer():
+    with pytest.raises(UsageError):
+        _native.crc32c(np.arange(100, dtype=np.uint8)[::2])
+    with pytest.raises(UsageError):
+        _native.crc32c(b"x", impl="fast")
+
+
+def test_hw_detection_matches_cpu_flags():
+    with open("/proc/cpuinfo") as f:
+        has_sse42 = " sse4_2" in f.read()
+    assert _native.hw_crc32c() == has_sse42
+
+
+def _copy_both(tmp_path, data, src_offset=0, dst_offset=0, length=-1, **kwargs):
+    src = write_file(tmp_path / "src", data)
+    results = []
+    for name, copier in (("native", "native"), ("reference", "reference")):
+        dst = tmp_path / f"dst-{name}"
+        dst.write_bytes(b"\xaa" * 10)
+        sfd, dfd = os.open(src, os.O_RDONLY), os.open(dst, os.O_WRONLY)
+        try:
+            if copier == "native":
+                r = _native.copy_range(sfd, dfd, src_offset, dst_offset, length, **kwargs)
+                results.append((r.nbytes, r.crc32c, dst.read_bytes()))
+            else:
+                n, crc = ref.copy_range(sfd, dfd, src_offset, dst_offset, length)
+                results.append((n, crc, dst.read_bytes()))
+        finally:
+            os.close(sfd)
+            os.close(dfd)
+    return results
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("use_cfr", [True, False])
+def test_copy_range_whole_file_matches_reference(tmp_path, size, use_cfr):
+    data = random_bytes(size, seed=size)
+    native, reference = _copy_both(
+        tmp_path, data, buffer_size=SMALL_BUFFER, use_copy_file_range=use_cfr
+    )
+    assert native == reference
+    assert native[0] == size
+    assert native[1] == crc32c_package.crc32c(data)
+
+
+@pytest.mark.parametrize("checksum", [True, False])
+def test_copy_range_with_offsets_and_length(tmp_path, checksum):
+    data = random_bytes(100_000, seed=1)
+    native, reference = _copy_both(
+        tmp_path,
+        data,
+        src_offset=777,
+        dst_offset=4,
+        length=50_001,
+        checksum=checksum,
+        buffer_size=SMALL_BUFFER,
+    )
+    assert native[0] == reference[0] == 50_001
+    assert native[2] == reference[2]
+    if checksum:
+        assert native[1] == reference[1]
+    else:
+        assert native[1] is None
+
+
+@pytest.mark.parametrize("size", [4097, (9 << 20) + 3])
+def test_copy_range_short_read_at_end_of_file(tmp_path, size):
+    data = random_bytes(size, seed=2)
+    native, reference = _copy_both(
+        tmp_path, data, src_offset=size - 100, length=4096, buffer_size=SMALL_BUFFER
+    )
+    assert native == reference
+    assert native[0] == 100
+
+
+def test_copy_range_from_beyond_end_copies_nothing(tmp_path):
+    native, reference = _copy_both(tmp_path, b"abc", src_offset=10, length=5)
+    assert native == reference
+    assert native[0] == 0
+
+
+@pytest.mark.parametrize("size", [0, 1, 4097, (9 << 20) + 3])
+def test_copy_file_direct_and_buffered(tmp_path, size):
+    data = random_bytes(size, seed=4)
+    src = write_file(tmp_path / "src", data)
+    for direct in (False, True):
+        dst = tmp_path / f"dst-{direct}"
+        result = _native.copy_file(src, dst, direct=direct)
+        assert result.nbytes == size
+        assert result.crc32c == crc32c_package.crc32c(data)
+        assert dst.read_bytes() == data
+
+
+def test_copy_file_missing_source_names_path(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(NotFoundError) as info:
+        _native.copy_file(missing, tmp_path / "dst")
+    assert isinstance(info.value, FileNotFoundError)
+    assert info.value.errno == errno.ENOENT
+    assert info.value.filename == str(missing)
+    assert str(missing) in str(info.value)
+
+
+def test_copy_range_full_device_names_destination(tmp_path):
+    src = write_file(tmp_path / "src", random_bytes(100_000))
+    sfd = os.open(src, os.O_RDONLY)
+    dfd = os.open("/dev/full", os.O_WRONLY)
+    try:
+        with pytest.raises(NoSpaceError) as info:
+            _native.copy_range(sfd, dfd, src_path=src, dst_path="/dev/full")
+    finally:
+        os.close(sfd)
+        os.close(dfd)
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.filename == "/dev/full"
+    assert isinstance(info.value, OSError)
+
+
+def test_copy_range_bad_descriptor_names_source(tmp_path):
+    dfd = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT)
+    try:
+        with pytest.raises(BBIOError) as info:
+            _native.copy_range(9999, dfd, src_path="the-source", checksum=True)
+    finally:
+        os.close(dfd)
+    assert info.value.errno == errno.EBADF
+    assert info.value.filename == "the-source"
+
+
+def _batch_case(tmp_path):
+    data_a = random_bytes(10_000, seed=1)
+    data_b = random_bytes(5_000, seed=2)
+    fa = os.open(write_file(tmp_path / "a", data_a), os.O_RDONLY)
+    fb = os.open(write_file(tmp_path / "b", data_b), os.O_RDONLY)
+    fds = [fa, fb, fa, fb, fa, fb]
+    offsets = [0, 10, 9_000, 4_900, 5, 6_000]
+    lengths = [1, 4097, 4095, 200, 0, 10]  # request 3 is short (100 bytes), 5 is past EOF
+    return fds, offsets, lengths
+
+
+@pytest.mark.parametrize("threads", [1, 3, 16])
+def test_pread_batch_matches_reference(tmp_path, threads):
+    fds, offsets, lengths = _batch_case(tmp_path)
+    out_offsets = list(np.cumsum([0, *lengths[:-1]]))
+    native_out = bytearray(sum(lengths))
+    ref_out = bytearray(sum(lengths))
+    results = _native.pread_batch(fds, offsets, lengths, native_out, threads=threads)
+    expected = ref.pread_batch(fds, offsets, lengths, ref_out, out_offsets)
+    assert list(results) == expected == [1, 4097, 1000, 100, 0, 0]
+    assert native_out == ref_out
+    for fd in set(fds):
+        os.close(fd)
+
+
+def test_pread_batch_many_requests_scattered_output(tmp_path):
+    data = random_bytes(1 << 20, seed=8)
+    fd = os.open(write_file(tmp_path / "big", data), os.O_RDONLY)
+    rng = np.random.default_rng(0)
+    n = 2000
+    offsets = rng.integers(0, len(data) - 4096, n)
+    lengths = rng.integers(0, 4096, n)
+    out_offsets = np.arange(n) * 4096
+    out = np.zeros(n * 4096, dtype=np.uint8)
+    results = _native.pread_batch([fd] * n, offsets, lengths, out, out_offsets, threads=8)
+    os.close(fd)
+    assert (results == lengths).all()
+    for i in range(0, n, 97):
+        got = out[out_offsets[i] : out_offsets[i] + lengths[i]].tobytes()
+        assert got == data[offsets[i] : offsets[i] + lengths[i]]
+
+
+def test_pread_batch_reports_each_failure(tmp_path):
+    fd = os.open(write_file(tmp_path / "a", b"x" * 100), os.O_RDONLY)
+    out = bytearray(30)
+    results = _native.pread_batch([fd, 9999, fd], [0, 0, 50], [10, 10, 10], out, check=False)
+    assert list(results) == [10, -errno.EBADF, 10]
+    with pytest.raises(BBIOError) as info:
+        _native.pread_batch(
+            [fd, 9999], [0, 0], [10, 10], out, paths=["a-file", "b-file"], check=True
+        )
+    os.close(fd)
+    assert info.value.errno == errno.EBADF
+    assert info.value.filename == "b-file"
+    assert "1 of 2 requests failed" in str(info.value)
+
+
+def test_pread_batch_rejects_requests_outside_buffer(tmp_path):
+    fd = os.open(write_file(tmp_path / "a", b"x" * 100), os.O_RDONLY)
+    try:
+        with pytest.raises(UsageError):
+            _native.pread_batch([fd], [0], [20], bytearray(10))
+        with pytest.raises(UsageError):
+            _native.pread_batch([fd], [-1], [5], bytearray(10))
+        with pytest.raises(UsageError):
+            _native.pread_batch([fd], [0], [5], b"read-only!")
+    finally:
+        os.close(fd)
+
+
+def test_pread_batch_empty():
+    results = _native.pread_batch([], [], [], bytearray(0))
+    assert results.size == 0
+
+
+def test_native_calls_release_the_gil():
+    data = np.random.default_rng(0).integers(0, 256, 512 << 20, dtype=np.uint8)
+    ticks = []
+    running = threading.Event()
+
+    def count():
+        running.set()
+        while not done.is_set():
+            ticks.append(time.perf_counter())
+            time.sleep(0)
+
+    done = threading.Event()
+    thread = threading.Thread(target=count)
+    thread.start()
+    running.wait()
+    start = time.perf_counter()
+    for _ in range(4):
+        _native.crc32c(data, impl="sw")
+    end = time.perf_counter()
+    done.set()
+    thread.join()
+    during = [t for t in ticks if start < t < end]
+    # With the GIL held for the whole call, the counter thread could not run.
+    assert len(during) > 100, f"only {len(during)} ticks in {end - start:.2f} s"
+
+
+@pytest.mark.parametrize(("len_a", "len_b"), [(0, 0), (1, 0), (0, 1), (1000, 777), (5, 1 << 20)])
+def test_crc32c_combine(len_a, len_b):
+    a, b = random_bytes(len_a, seed=1), random_bytes(len_b, seed=2)
+    combined = _native.crc32c_combine(_native.crc32c(a), _native.crc32c(b), len(b))
+    assert combined == crc32c_package.crc32c(a + b)
+
+
+def test_large_copy_on_one_cpu_and_on_two_match(tmp_path):
+    data = random_bytes((9 << 20) + 4097, seed=6)
+    src = write_file(tmp_path / "src", data)
+    allowed = os.sched_getaffinity(0)
+    results = []
+    for cpus in ({min(allowed)}, allowed):
+        os.sched_setaffinity(0, cpus)
+        try:
+            results.append(_native.copy_file(src, tmp_path / f"dst{len(cpus)}"))
+        finally:
+            os.sched_setaffinity(0, allowed)
+        assert (tmp_path / f"dst{len(cpus)}").read_bytes() == data
+    assert results[0] == results[1]
+    assert results[0].crc32c == crc32c_package.crc32c(data)
+
+
+def test_large_copy_asked_beyond_end_of_file_stops_at_the_end(tmp_path):
+    data = random_bytes(9 << 20, seed=7)
+    native, reference = _copy_both(tmp_path, data, length=20 << 20)
+    assert native == reference
+    assert native[0] == len(data)
