@@ -22,6 +22,9 @@ from bbio.errors import (
     PermissionDeniedError,
     UsageError,
 )
+from bbio.stage.pack import PackSummary, pack
+from bbio.stage.run import StageSummary, stage_in, stage_out
+from bbio.stage.verify import VerifyReport, verify
 
 __all__ = [
     "AlreadyExistsError",
@@ -37,8 +40,15 @@ __all__ = [
     "NoSpaceError",
     "NotDirectoryError",
     "NotFoundError",
+    "PackSummary",
     "PermissionDeniedError",
+    "StageSummary",
     "UsageError",
+    "VerifyReport",
     "__version__",
     "load_config",
+    "pack",
+    "stage_in",
+    "stage_out",
+    "verify",
 ]

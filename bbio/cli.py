@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -39,6 +40,144 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_collective(args: argparse.Namespace, call) -> int:
+    """Run ``call(comm)`` on every rank of MPI.COMM_WORLD; report bbio errors once.
+
+    bbio raises the same error on every rank, so rank 0 prints it and all ranks
+    exit with status 1.  If the ranks do not all arrive within a minute (an
+    error on some ranks only), the job is aborted rather than left hanging.
+    """
+    from mpi4py import MPI
+
+    from bbio.mpi import abort_on_error, wait_all_ranks
+
+    comm = MPI.COMM_WORLD
+    logging.basicConfig(format="bbio: %(levelname)s: %(message)s", level=logging.INFO)
+
+    def main() -> int:
+        try:
+            call(comm)
+        except BBIOError as exc:
+            if comm.Get_rank() == 0:
+                print(f"bbio: error: {exc}", file=sys.stderr, flush=True)
+            try:
+                wait_all_ranks(comm, 60, "reporting the error")
+            except BBIOError:
+                print(f"bbio: error on rank {comm.Get_rank()}: {exc}", file=sys.stderr, flush=True)
+                comm.Abort(1)
+            return 1
+        return 0
+
+    return abort_on_error(comm, main)
+
+
+def _print_on_root(comm, text: str) -> None:
+    if comm.Get_rank() == 0:
+        print(text, flush=True)
+
+
+def _cmd_stage_in(args: argparse.Namespace) -> int:
+    from bbio.stage.run import stage_in
+
+    def call(comm) -> None:
+        summary = stage_in(
+            comm,
+            args.src,
+            args.dst,
+            mode=args.mode,
+            verify=args.verify,
+            include=args.include,
+            exclude=args.exclude,
+            skip_unreadable=args.skip_unreadable,
+            config=load_config(args.config),
+        )
+        _print_on_root(comm, summary.report())
+
+    return _run_collective(args, call)
+
+
+def _cmd_stage_out(args: argparse.Namespace) -> int:
+    from bbio.stage.run import stage_out
+
+    def call(comm) -> None:
+        summary = stage_out(
+            comm,
+            args.src,
+            args.dst,
+            verify=args.verify,
+            include=args.include,
+            exclude=args.exclude,
+            skip_unreadable=args.skip_unreadable,
+            config=load_config(args.config),
+        )
+        _print_on_root(comm, summary.report())
+
+    return _run_collective(args, call)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from bbio.stage.verify import verify
+
+    def call(comm) -> None:
+        report = verify(comm, args.src, args.dst, config=load_config(args.config))
+        _print_on_root(comm, report.report())
+
+    return _run_collective(args, call)
+
+
+def parse_size(text: str) -> int:
+    """'1048576', '64M', '1G', '512KiB' -> bytes (binary units)."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    cleaned = text.strip().upper().removesuffix("IB").removesuffix("B")
+    number, unit = cleaned.rstrip("KMGT"), cleaned[len(cleaned.rstrip("KMGT")) :]
+    try:
+        value = int(float(number) * units[unit])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1G or 256M)") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
+
+
+def _cmd_pack(args: argparse.Namespace) -> int:
+    from bbio.stage.pack import pack
+
+    def call(comm) -> None:
+        summary = pack(
+            comm,
+            args.src,
+            args.out,
+            shard_size=args.shard_size,
+            include=args.include,
+            exclude=args.exclude,
+            config=load_config(args.config),
+        )
+        _print_on_root(comm, summary.report())
+
+    return _run_collective(args, call)
+
+
+def _add_transfer_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--verify", action="store_true", help="re-read every copy and compare CRC32C"
+    )
+    parser.add_argument(
+        "--include", action="append", default=[], metavar="GLOB", help="only paths matching GLOB"
+    )
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="leave out paths matching GLOB",
+    )
+    parser.add_argument(
+        "--skip-unreadable",
+        action="store_true",
+        help="list and skip unreadable files (and files that keep changing) instead of failing",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``bbio`` command."""
     parser = argparse.ArgumentParser(prog="bbio", description=__doc__)
@@ -47,6 +186,42 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = commands.add_parser("info", help="versions, capabilities and configured roots (no MPI)")
     info.set_defaults(run=_cmd_info)
+
+    stage_in = commands.add_parser(
+        "stage-in", help="copy a PFS tree into every node's burst buffer (run under MPI)"
+    )
+    stage_in.add_argument("src", help="source directory (on the PFS)")
+    stage_in.add_argument("dst", help="destination on each node; may contain {node}")
+    stage_in.add_argument("--mode", choices=["replicate", "shard"], default="replicate")
+    _add_transfer_options(stage_in)
+    stage_in.set_defaults(run=_cmd_stage_in)
+
+    stage_out = commands.add_parser(
+        "stage-out", help="merge every node's burst-buffer tree into one PFS tree (run under MPI)"
+    )
+    stage_out.add_argument("src", help="source on each node; may contain {node}")
+    stage_out.add_argument("dst", help="destination directory (on the PFS)")
+    _add_transfer_options(stage_out)
+    stage_out.set_defaults(run=_cmd_stage_out)
+
+    check = commands.add_parser(
+        "verify", help="re-read both sides of a transfer and compare with its manifest (MPI)"
+    )
+    check.add_argument("src", help="the transfer's source; may contain {node}")
+    check.add_argument(
+        "dst", help="the transfer's destination (holds the manifest); may contain {node}"
+    )
+    check.set_defaults(run=_cmd_verify)
+
+    packer = commands.add_parser("pack", help="pack many small files into HDF5 shards (MPI)")
+    packer.add_argument("src", help="directory of small files")
+    packer.add_argument("out", help="output directory for shard-*.h5 and bbio-pack.json")
+    packer.add_argument(
+        "--shard-size", type=parse_size, default="1G", help="bytes per shard (default 1G)"
+    )
+    packer.add_argument("--include", action="append", default=[], metavar="GLOB")
+    packer.add_argument("--exclude", action="append", default=[], metavar="GLOB")
+    packer.set_defaults(run=_cmd_pack)
     return parser
 
 

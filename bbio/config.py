@@ -28,8 +28,8 @@ SITE_CONFIG_FILE = Path("/etc/bbio/bbio.toml")
 ENV_PREFIX = "BBIO_"
 
 
-def _setting(default: Any, help: str) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help})
+def _setting(default: Any, help: str, choices: tuple[str, ...] = ()) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,10 +56,27 @@ class Config:
         "Bytes of buffer per copy; large copies pipeline it in 4 slots (read | CRC32C+write).",
     )
     io_threads: int = _setting(8, "Threads the native batched reader keeps busy per process.")
+    progress: str = _setting(
+        "auto",
+        "Progress line of transfers: auto (only on a terminal), always (stderr) or never.",
+        choices=("auto", "always", "never"),
+    )
+    chunk_size: int = _setting(
+        64 << 20, "Staging splits files larger than this into pieces copied by different ranks."
+    )
+    replicate_round_bytes: int = _setting(
+        64 << 20,
+        "Replicate mode: bytes each rank reads from the source per round before the "
+        "ranks exchange them (memory per rank: this times the node count).",
+    )
 
     def bb_dir(self, node: int) -> Path:
         """The burst buffer directory of virtual or real node ``node``."""
-        return Path(self._expand(self.bb_root, node=node))
+        return self.expand(self.bb_root, node=node)
+
+    def expand(self, template: str | os.PathLike, node: int | None = None) -> Path:
+        """``template`` with {job}, {user} and (given a node) {node} replaced."""
+        return Path(self._expand(os.fspath(template), node=node))
 
     def pfs_dir(self) -> Path:
         """The PFS root, or a ConfigError saying how to set it."""
@@ -68,7 +85,7 @@ class Config:
                 "no PFS root is configured",
                 hint="set BBIO_PFS_ROOT, pfs_root in the config file, or pass pfs_root=",
             )
-        return Path(self._expand(self.pfs_root, node=None))
+        return self.expand(self.pfs_root)
 
     def _expand(self, template: str, node: int | None) -> str:
         text = template.replace("{job}", self.job_id).replace("{user}", _user_name())
@@ -105,6 +122,9 @@ def _convert(name: str, raw: Any, source: str) -> Any:
         return value
     if not isinstance(raw, str):
         raise ConfigError(f"{source}: {name} must be a string, got {raw!r}")
+    choices = SETTINGS[name].metadata["choices"]
+    if choices and raw not in choices:
+        raise ConfigError(f"{source}: {name} must be one of {', '.join(choices)}, got {raw!r}")
     return raw
 
 

@@ -50,7 +50,7 @@ class BBIOError(Exception):
         if self.path is not None and self.path not in self.message:
             text += f" [{self.path}]"
         if self.hint:
-            text += f". {self.hint}"
+            text += f". {self.hint[:1].upper()}{self.hint[1:]}"
         return text
 
     def __reduce__(self):

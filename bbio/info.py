@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import shutil
-from pathlib import Path
 
 from bbio import _native
 from bbio._version import __version__
 from bbio.config import Config
 from bbio.errors import ConfigError
 from bbio.mpi import library_version
+from bbio.transfer.files import free_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,14 +38,6 @@ class StackInfo:
     pfs: RootInfo
     ranks_per_node: int | None
     job_id: str
-
-
-def free_bytes(path: Path) -> int | None:
-    """Free bytes on the file system of ``path``, or of its nearest existing parent."""
-    for candidate in (path, *path.parents):
-        if candidate.exists():
-            return shutil.disk_usage(candidate).free
-    return None
 
 
 def _root(template: str | None, resolve) -> RootInfo:

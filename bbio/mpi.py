@@ -11,11 +11,15 @@ import dataclasses
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from bbio.errors import CLASSES_BY_NAME, BBIOError, BBIOTimeoutError, CollectiveError
+
+T = TypeVar("T")
+K = TypeVar("K")
+V = TypeVar("V")
 
 
 def _mpi():
@@ -81,6 +85,26 @@ def topology(comm, ranks_per_node: int | None = None) -> Topology:
 def all_agree(comm, ok: bool) -> bool:
     """Collective over ``comm``: True only if ``ok`` is True on every rank."""
     return bool(comm.allreduce(bool(ok), op=_mpi().LAND))
+
+
+def deal(items: Sequence[T], comm) -> Sequence[T]:
+    """This rank's share of ``items``, dealt round-robin over the ranks of ``comm``."""
+    return items[comm.Get_rank() :: comm.Get_size()]
+
+
+def allgather_dict(comm, part: Mapping[K, V]) -> dict[K, V]:
+    """Collective over ``comm``: the union of every rank's ``part`` (later ranks win ties)."""
+    merged: dict[K, V] = {}
+    for piece in comm.allgather(dict(part)):
+        merged.update(piece)
+    return merged
+
+
+def sum_over_ranks(comm, *values: int) -> list[int]:
+    """Collective over ``comm``: the element-wise sums of ``values`` over all ranks."""
+    import numpy as np
+
+    return [int(v) for v in comm.allreduce(np.array(values, dtype=np.int64))]
 
 
 def _describe(exc: BaseException) -> tuple[str, str]:

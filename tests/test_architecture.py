@@ -9,9 +9,29 @@ PACKAGE = Path(__file__).resolve().parent.parent / "bbio"
 
 # Keep in step with the table in docs/architecture.md.
 LAYERS = {
-    "core": {"bbio", "bbio._version", "bbio.errors", "bbio.config", "bbio.report"},
+    "api": {"bbio"},
+    "core": {
+        "bbio._version",
+        "bbio.errors",
+        "bbio.config",
+        "bbio.report",
+        "bbio.transfer",
+        "bbio.transfer.manifest",
+        "bbio.stage",
+        "bbio.stage.plan",
+    },
     "native": {"bbio._native"},
-    "shell": {"bbio.mpi", "bbio.info"},
+    "shell": {
+        "bbio.mpi",
+        "bbio.info",
+        "bbio.transfer.files",
+        "bbio.stage.walk",
+        "bbio.stage.progress",
+        "bbio.stage.executors",
+        "bbio.stage.run",
+        "bbio.stage.verify",
+        "bbio.stage.pack",
+    },
     "entry": {
         "bbio.__main__",
         "bbio.cli",
@@ -23,6 +43,7 @@ LAYERS = {
     },
 }
 MAY_IMPORT = {
+    "api": {"core", "native", "shell"},
     "core": {"core"},
     "native": {"core"},
     "shell": {"core", "native", "shell"},
@@ -30,6 +51,7 @@ MAY_IMPORT = {
 }
 # Third-party modules a layer may import; MPI only inside functions (never at import time).
 THIRD_PARTY = {
+    "api": set(),
     "core": {"numpy", "tomli"},
     "native": {"numpy"},
     "shell": {"numpy", "mpi4py", "h5py"},
@@ -50,7 +72,9 @@ def imports(tree: ast.Module):
             for alias in node.names:
                 yield alias.name, id(node) in top_level
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            yield node.module, id(node) in top_level
+            for alias in node.names:  # "from bbio import _native" imports bbio._native
+                submodule = f"{node.module}.{alias.name}"
+                yield (submodule if layer_of(submodule) else node.module), id(node) in top_level
 
 
 def layer_of(name: str) -> str | None:

@@ -1,0 +1,227 @@
+"""Executors: carry out a copy plan with MPI and the native core.
+
+Two ways to move pieces into the temporary files that :mod:`bbio.transfer.files`
+prepared:
+
+* :func:`copy_direct`: each rank of a team copies its pieces from the source
+  file to the destination file itself (native copy, CRC32C in the same pass).
+* :func:`copy_broadcast`: replicate mode across nodes.  The ranks with the same
+  node-local rank on every node form a *column*; the members of a column read
+  disjoint pieces from the source (native batched reads), exchange them with
+  one ``Allgatherv`` per round, and each writes all of them to its own node.
+  Every byte is read from the source once, whatever the node count.
+
+Both return the per-piece results this rank holds for its node, keyed by
+(path, offset), and count bytes read from the source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from bbio import _native
+from bbio.errors import IntegrityError, from_oserror
+from bbio.stage.plan import Piece, group_by_size, partition
+from bbio.stage.progress import Progress
+from bbio.transfer.files import PieceResult, copy_piece, temp_path
+from bbio.transfer.manifest import Entry
+
+PieceKey = tuple[str, int]
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one rank did: results of the pieces it wrote, bytes read from the source."""
+
+    pieces: dict[PieceKey, PieceResult] = dataclasses.field(default_factory=dict)
+    source_bytes_read: int = 0
+
+
+def copy_direct(
+    team_comm,
+    pieces_by_rank: Sequence[Sequence[Piece]],
+    entries: Mapping[str, Entry],
+    src_root: Path,
+    dst_root: Path,
+    progress: Progress,
+    buffer_size: int,
+) -> Outcome:
+    """Collective over ``team_comm``: every rank copies ``pieces_by_rank[its rank]``."""
+    outcome = Outcome()
+    for piece in pieces_by_rank[team_comm.Get_rank()]:
+        entry = entries[piece.path]
+        result = copy_piece(
+            src_root / piece.path,
+            temp_path(dst_root / piece.path),
+            piece.offset,
+            piece.length,
+            entry.size,
+            entry.mtime_ns,
+            buffer_size,
+        )
+        outcome.pieces[(piece.path, piece.offset)] = result
+        outcome.source_bytes_read += result.nbytes
+        progress.add(result.nbytes, int(piece.offset == 0))
+        progress.update()
+    progress.finish()
+    return outcome
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """The column layout of replicate mode."""
+
+    comm: object | None  # this rank's column communicator (None: not in any column)
+    count: int  # columns: the smallest node's rank count
+    index: int  # this rank's column (its node-local rank)
+    member: int  # this rank's index in its column (its node index)
+
+
+def make_columns(comm, node: int, node_rank: int, node_size: int) -> Columns:
+    """Collective over ``comm``: one column per node-local rank present on every node."""
+    from mpi4py import MPI
+
+    count = comm.allreduce(node_size, op=MPI.MIN)
+    color = node_rank if node_rank < count else MPI.UNDEFINED
+    column = comm.Split(color=color, key=node)
+    return Columns(None if column == MPI.COMM_NULL else column, count, node_rank, node)
+
+
+def _read_round(
+    pieces: Sequence[Piece], entries: Mapping[str, Entry], src_root: Path, threads: int
+) -> tuple[np.ndarray, list[int], list[bool]]:
+    """Read ``pieces`` into one buffer; return it, each piece's CRC32C and 'changed' flag."""
+    lengths = [p.length for p in pieces]
+    buffer = np.zeros(sum(lengths), dtype=np.uint8)
+    fds: dict[str, int] = {}
+    try:
+        for p in pieces:
+            if p.path not in fds:
+                try:
+                    fds[p.path] = os.open(src_root / p.path, os.O_RDONLY)
+                except OSError as exc:
+                    raise from_oserror(exc, "open for reading", src_root / p.path) from None
+        got = _native.pread_batch(
+            [fds[p.path] for p in pieces],
+            [p.offset for p in pieces],
+            lengths,
+            buffer,
+            threads=threads,
+            paths=[src_root / p.path for p in pieces],
+        )
+        after = {path: os.fstat(fd) for path, fd in fds.items()}
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    crcs, changed = [], []
+    start = 0
+    for p, n in zip(pieces, got, strict=True):
+        crcs.append(_native.crc32c(buffer[start : start + p.length]))
+        entry, st = entries[p.path], after[p.path]
+        changed.append(
+            bool(n != p.length or st.st_size != entry.size or st.st_mtime_ns != entry.mtime_ns)
+        )
+        start += p.length
+    return buffer, crcs, changed
+
+
+def _write_pieces(
+    pieces: Sequence[Piece],
+    data: np.ndarray,
+    crcs: Sequence[int],
+    changed: Sequence[bool],
+    wanted: set[str],
+    dst_root: Path,
+    outcome: Outcome,
+    progress: Progress,
+    sender: int,
+) -> None:
+    start = 0
+    for p, crc, moved in zip(pieces, crcs, changed, strict=True):
+        chunk = data[start : start + p.length]
+        start += p.length
+        if p.path not in wanted:
+            continue
+        if _native.crc32c(chunk) != crc:
+            raise IntegrityError(
+                f"bytes of {p.path} at offset {p.offset} changed in transit from node {sender}",
+                hint="check the interconnect; rerun the command",
+            )
+        target = temp_path(dst_root / p.path)
+        try:
+            fd = os.open(target, os.O_WRONLY)
+            try:
+                view = memoryview(chunk)
+                offset = p.offset
+                while view:
+                    n = os.pwrite(fd, view, offset)
+                    view, offset = view[n:], offset + n
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise from_oserror(exc, "write", target) from None
+        outcome.pieces[(p.path, p.offset)] = PieceResult(p.length, crc, moved)
+        progress.add(p.length, int(p.offset == 0))
+
+
+def copy_broadcast(
+    columns: Columns,
+    pieces: Sequence[Piece],
+    nodes: int,
+    wanted: set[str],
+    entries: Mapping[str, Entry],
+    src_root: Path,
+    dst_root: Path,
+    progress: Progress,
+    round_bytes: int,
+    threads: int,
+) -> Outcome:
+    """Collective over the whole communicator: replicate ``pieces`` to every node.
+
+    ``pieces`` is the whole plan; it is split over ``nodes`` x ``columns.count``
+    readers.  ``wanted`` holds the paths this rank's node still needs.
+    """
+    from mpi4py import MPI
+
+    outcome = Outcome()
+    if columns.comm is None:
+        progress.finish()
+        return outcome
+    parts = partition(pieces, nodes * columns.count)
+    schedules = [
+        group_by_size(parts[node * columns.count + columns.index], round_bytes, lambda p: p.length)
+        for node in range(nodes)
+    ]
+    for k in range(max((len(s) for s in schedules), default=0)):
+        round_pieces = [s[k] if k < len(s) else [] for s in schedules]
+        mine = round_pieces[columns.member]
+        buffer, crcs, changed = _read_round(mine, entries, src_root, threads)
+        outcome.source_bytes_read += int(buffer.size)
+        counts = [sum(p.length for p in rp) for rp in round_pieces]
+        displs = [sum(counts[:i]) for i in range(len(counts))]
+        received = np.empty(sum(counts), dtype=np.uint8)
+        columns.comm.Allgatherv(buffer, [received, counts, displs, MPI.BYTE])
+        meta = columns.comm.allgather((crcs, changed))
+        for sender, (sender_pieces, (sender_crcs, sender_changed)) in enumerate(
+            zip(round_pieces, meta, strict=True)
+        ):
+            data = received[displs[sender] : displs[sender] + counts[sender]]
+            _write_pieces(
+                sender_pieces,
+                data,
+                sender_crcs,
+                sender_changed,
+                wanted,
+                dst_root,
+                outcome,
+                progress,
+                sender,
+            )
+        progress.update()
+    progress.finish()
+    return outcome

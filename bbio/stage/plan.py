@@ -1,0 +1,171 @@
+"""Planning for staging: who copies which bytes, as pure functions of plain data.
+
+Nothing here touches MPI or the file system; the executors in
+:mod:`bbio.stage.run` carry the plans out.  Every rank computes the same plan
+from the same inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TypeVar
+
+from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry
+
+# What opening, creating and committing one file costs, in bytes of transfer
+# time: it makes many small files count for more than their bytes alone.
+FILE_COST_BYTES = 256 << 10
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """A byte range of one file: the unit of copying."""
+
+    path: str
+    offset: int
+    length: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DestState:
+    """What a destination path holds now (from ``lstat``)."""
+
+    kind: str
+    size: int
+    mtime_ns: int
+    target: str | None = None
+
+
+def up_to_date(src: Entry, dst: DestState | None) -> bool:
+    """True if ``dst`` already is this version of ``src`` (same kind, size, mtime, target).
+
+    A committed copy carries its source's mtime, and never appears under its
+    final name before it is complete, so this is enough to skip it on a rerun.
+    """
+    if dst is None or dst.kind != src.kind:
+        return False
+    if src.kind == SYMLINK:
+        return dst.target == src.target
+    return src.kind == DIR or (dst.size == src.size and dst.mtime_ns == src.mtime_ns)
+
+
+def to_copy(entries: Iterable[Entry], dest: Mapping[str, DestState]) -> list[Entry]:
+    """The files and symlinks of ``entries`` whose destination is missing or different."""
+    return [e for e in entries if e.kind != DIR and not up_to_date(e, dest.get(e.path))]
+
+
+def split_pieces(files: Iterable[Entry], chunk_size: int) -> list[Piece]:
+    """Cut files into pieces of at most ``chunk_size`` bytes (an empty file is one empty piece)."""
+    pieces = []
+    for f in files:
+        if f.kind != FILE:
+            continue
+        if f.size == 0:
+            pieces.append(Piece(f.path, 0, 0))
+        for offset in range(0, f.size, chunk_size):
+            pieces.append(Piece(f.path, offset, min(chunk_size, f.size - offset)))
+    return pieces
+
+
+def _cost(piece: Piece) -> int:
+    return piece.length + (FILE_COST_BYTES if piece.offset == 0 else 0)
+
+
+def partition(pieces: Sequence[Piece], parts: int) -> list[list[Piece]]:
+    """Split ``pieces`` (in order) into ``parts`` contiguous runs of about equal cost.
+
+    Contiguous runs keep files of one directory together; the cost of a piece
+    is its bytes plus a fixed cost for starting a file.
+    """
+    total = sum(_cost(p) for p in pieces)
+    result: list[list[Piece]] = [[] for _ in range(parts)]
+    done = 0
+    for piece in pieces:
+        # the part whose share of the total cost this piece's midpoint falls in
+        midpoint = done + _cost(piece) / 2
+        index = min(parts - 1, int(midpoint * parts / total)) if total else 0
+        result[index].append(piece)
+        done += _cost(piece)
+    return result
+
+
+def group_by_size(items: Sequence[T], limit: int, size: Callable[[T], int]) -> list[list[T]]:
+    """Group ``items``, in order, into runs of at most ``limit`` total size.
+
+    An item larger than ``limit`` forms a group of its own; no group is empty.
+    Used for replicate rounds (pieces) and for pack shards (files).
+    """
+    groups: list[list[T]] = []
+    current: list[T] = []
+    used = 0
+    for item in items:
+        if current and used + size(item) > limit:
+            groups.append(current)
+            current, used = [], 0
+        current.append(item)
+        used += size(item)
+    if current:
+        groups.append(current)
+    return groups
+
+
+def assign_nodes(files: Iterable[Entry], nodes: int) -> dict[str, int]:
+    """Shard mode: give each file to one node, balancing bytes (largest files first)."""
+    heap = [(0, node) for node in range(nodes)]
+    owner = {}
+    for f in sorted(files, key=lambda e: (-(e.size + FILE_COST_BYTES), e.path)):
+        load, node = heapq.heappop(heap)
+        owner[f.path] = node
+        heapq.heappush(heap, (load + f.size + FILE_COST_BYTES, node))
+    return owner
+
+
+def owners(pieces_by_rank: Sequence[Sequence[Piece]]) -> dict[str, int]:
+    """Which rank commits each file: the one that copies its first piece."""
+    result = {}
+    for rank, pieces in enumerate(pieces_by_rank):
+        for piece in pieces:
+            if piece.offset == 0:
+                result[piece.path] = rank
+    return result
+
+
+@dataclasses.dataclass(frozen=True)
+class Conflict:
+    """A path that several nodes hold in different versions (stage-out refuses it)."""
+
+    path: str
+    nodes: tuple[int, ...]
+
+
+def merge_node_trees(trees: Sequence[Sequence[Entry]]) -> tuple[dict[str, int], list[Conflict]]:
+    """Stage-out: choose the one node that writes each path of the merged tree.
+
+    Identical versions (same kind, size, mtime, target) are written once, by
+    the lowest node that has them; different versions are conflicts.
+    """
+    chosen: dict[str, int] = {}
+    holders: dict[str, list[int]] = {}
+    first: dict[str, Entry] = {}
+    conflicting: set[str] = set()
+    for node, entries in enumerate(trees):
+        for e in entries:
+            if e.path not in first:
+                first[e.path] = e
+                chosen[e.path] = node
+                holders[e.path] = [node]
+                continue
+            holders[e.path].append(node)
+            if e.kind != DIR and not first[e.path].same_version(e):
+                conflicting.add(e.path)
+    conflicts = [Conflict(p, tuple(holders[p])) for p in sorted(conflicting)]
+    return chosen, conflicts
+
+
+def bytes_needed(files: Iterable[Entry]) -> int:
+    """Bytes the destination must hold for ``files``."""
+    return sum(f.size for f in files if f.kind == FILE)

@@ -1,0 +1,681 @@
+"""Stage-in, stage-out and verify: the MPI shell around the staging plans.
+
+Every public function here is collective over the communicator it is given.
+The steps of a transfer: walk the source in parallel; find, on each node, what
+is missing or different at the destination; check capacity before copying
+anything; prepare temporary files; copy (directly, or by broadcast across
+nodes in replicate mode); commit each file (mode, mtime, fsync, rename);
+retry files that changed during the copy; optionally re-read and compare;
+write the manifest last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import stat
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from bbio import _native
+from bbio.config import Config, load_config
+from bbio.errors import (
+    AlreadyExistsError,
+    IntegrityError,
+    NoSpaceError,
+    PermissionDeniedError,
+    UsageError,
+)
+from bbio.mpi import Topology, agreed, allgather_dict, deal, sum_over_ranks, topology
+from bbio.report import format_bytes, format_table
+from bbio.stage import plan
+from bbio.stage.executors import Outcome, copy_broadcast, copy_direct, make_columns
+from bbio.stage.progress import Progress
+from bbio.stage.walk import Skipped, Tree, walk
+from bbio.transfer import files
+from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry, Manifest
+
+log = logging.getLogger("bbio")
+
+MODES = ("replicate", "shard")
+MAX_ATTEMPTS = 3
+RETRY_BACKOFF_SECONDS = 1.0  # times the attempt number: gives a writer time to finish
+
+
+@dataclasses.dataclass
+class StageSummary:
+    """What a stage-in or stage-out did (the same on every rank)."""
+
+    operation: str
+    mode: str
+    nodes: int
+    files: int  # files and symlinks committed by this run, summed over nodes
+    unchanged: int  # already up to date at the destination, summed over nodes
+    dataset_bytes: int  # bytes of the selected source files
+    bytes_written: int  # bytes committed by this run, summed over nodes
+    source_bytes_read: int  # bytes read from the source (the PFS for stage-in)
+    seconds: float
+    verified: bool
+    skipped: list[Skipped]
+
+    @property
+    def gb_per_s(self) -> float:
+        """Bytes written per second, in GB/s."""
+        return self.bytes_written / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+    def report(self) -> str:
+        """A human-readable summary table."""
+        rows = [
+            ("files copied", self.files),
+            ("files already up to date", self.unchanged),
+            ("bytes", format_bytes(self.bytes_written)),
+            ("seconds", f"{self.seconds:.2f}"),
+            ("GB/s", f"{self.gb_per_s:.2f}"),
+            ("bytes read from the source", format_bytes(self.source_bytes_read)),
+            ("dataset", format_bytes(self.dataset_bytes)),
+            ("nodes", self.nodes),
+            ("verified", "yes (re-read, CRC32C)" if self.verified else "no"),
+            ("skipped", len(self.skipped)),
+        ]
+        title = f"bbio {self.operation}" + (f" ({self.mode})" if self.mode else "")
+        return title + "\n" + format_table(["", ""], rows)
+
+
+# -------------------------------------------------------------------- helpers
+
+
+def dest_state(comm, root: Path, paths: Sequence[str]) -> dict[str, plan.DestState]:
+    """Collective over ``comm``: what ``root/path`` holds now, for every path (lstat, dealt out)."""
+    found = {}
+    for path in deal(paths, comm):
+        try:
+            st = os.lstat(root / path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            found[path] = plan.DestState(SYMLINK, 0, st.st_mtime_ns, os.readlink(root / path))
+        elif stat.S_ISDIR(st.st_mode):
+            found[path] = plan.DestState(DIR, 0, st.st_mtime_ns)
+        else:
+            found[path] = plan.DestState(FILE, st.st_size, st.st_mtime_ns)
+    return allgather_dict(comm, found)
+
+
+def check_readable(tree: Tree, skip_unreadable: bool, where: str) -> list[Skipped]:
+    """Unreadable paths: an error naming each (the same on every rank), or skipped."""
+    if tree.unreadable and not skip_unreadable:
+        listing = "; ".join(f"{s.path}: {s.reason}" for s in tree.unreadable[:20])
+        more = f" (and {len(tree.unreadable) - 20} more)" if len(tree.unreadable) > 20 else ""
+        raise PermissionDeniedError(
+            f"{len(tree.unreadable)} path(s) in {where} cannot be read: {listing}{more}",
+            hint="fix their permissions, or pass --skip-unreadable to list and skip them",
+        )
+    return list(tree.unreadable)
+
+
+def _without(entries: Iterable[Entry], paths: set[str]) -> list[Entry]:
+    return [
+        e
+        for e in entries
+        if e.path not in paths and not any(e.path.startswith(p + "/") for p in paths)
+    ]
+
+
+def _check_capacity(root: Path, needed: int, node: int | None) -> None:
+    free = files.free_bytes(root)
+    if needed > free:
+        raise NoSpaceError(
+            f"{root} needs {format_bytes(needed)} ({needed} bytes) for this transfer, "
+            f"{format_bytes(free)} ({free} bytes) free",
+            node=node,
+            hint="free space there, stage fewer files (--include/--exclude), "
+            "or use --mode shard to spread the files over the nodes",
+        )
+
+
+def _make_dirs(root: Path, dirs: Iterable[Entry]) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for d in dirs:
+        (root / d.path).mkdir(parents=True, exist_ok=True)
+
+
+def _finish_dirs(root: Path, dirs: Sequence[Entry]) -> None:
+    for d in sorted(dirs, key=lambda e: e.path.count("/"), reverse=True):
+        os.chmod(root / d.path, d.mode)
+        os.utime(root / d.path, ns=(d.mtime_ns, d.mtime_ns))
+    files.fsync_dirs([root, *(root / d.path for d in dirs)])
+
+
+def _refresh(comm, root: Path, paths: Sequence[str]) -> dict[str, Entry]:
+    """Collective over ``comm``: re-stat ``paths`` under ``root`` (files that changed)."""
+    fresh = {}
+    for path in deal(sorted(paths), comm):
+        try:
+            st = os.stat(root / path)
+        except FileNotFoundError:
+            continue
+        fresh[path] = Entry(
+            path, FILE, size=st.st_size, mtime_ns=st.st_mtime_ns, mode=st.st_mode & 0o7777
+        )
+    return allgather_dict(comm, fresh)
+
+
+# ------------------------------------------------------------ copy and commit
+
+
+@dataclasses.dataclass
+class _Copied:
+    """Per node: CRC32C of each committed file; files that kept changing."""
+
+    crcs: dict[str, int] = dataclasses.field(default_factory=dict)
+    bytes_written: int = 0
+    files: int = 0
+    source_bytes_read: int = 0
+
+
+def _commit_node(
+    node_comm,
+    dst_root: Path,
+    todo: Sequence[Entry],
+    owner: dict[str, int],
+    outcome: Outcome,
+) -> tuple[dict[str, int], set[str]]:
+    """Collective over ``node_comm``: owners combine piece CRCs and commit their files.
+
+    Returns the CRCs this rank committed and the paths whose source changed.
+    """
+    pieces_of: dict[str, list] = {}
+    for part in node_comm.allgather(outcome.pieces):
+        for (path, offset), result in part.items():
+            pieces_of.setdefault(path, []).append((offset, result))
+    me = node_comm.Get_rank()
+    crcs, changed, touched = {}, set(), []
+    for entry in todo:
+        if entry.kind != FILE or owner.get(entry.path) != me:
+            continue
+        pieces = sorted(pieces_of.get(entry.path, []), key=lambda item: item[0])
+        crc, size, moved = 0, 0, False
+        for _, result in pieces:
+            crc = _native.crc32c_combine(crc, result.crc32c, result.nbytes)
+            size += result.nbytes
+            moved = moved or result.changed
+        if moved or size != entry.size:
+            changed.add(entry.path)
+            continue
+        files.commit(dst_root / entry.path, entry.mode, entry.mtime_ns)
+        crcs[entry.path] = crc
+        touched.append((dst_root / entry.path).parent)
+    files.fsync_dirs(touched)
+    return crcs, changed
+
+
+def _copy_loop(
+    comm,
+    topo: Topology,
+    config: Config,
+    label: str,
+    src_root: Path,
+    dst_root: Path,
+    todo: list[Entry],
+    broadcast: bool,
+    skip_unreadable: bool,
+    skipped: list[Skipped],
+) -> _Copied:
+    """Collective over ``comm``: copy and commit this node's ``todo`` files, retrying changes.
+
+    ``broadcast``: replicate across nodes (``src_root`` is shared); otherwise each
+    node's ranks copy their node's list directly.
+    """
+    copied = _Copied()
+    entries = {e.path: e for e in todo}
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        node_files = [e for e in todo if e.kind == FILE]
+        if broadcast:
+            union = allgather_dict(comm, {e.path: e for e in node_files})
+            everything = [union[p] for p in sorted(union)]
+            entries.update(union)
+            pieces = plan.split_pieces(everything, config.chunk_size)
+            columns = make_columns(
+                comm, topo.node, topo.node_comm.Get_rank(), topo.node_comm.Get_size()
+            )
+            parts = plan.partition(pieces, topo.nodes * columns.count)
+            owner = {path: index % columns.count for path, index in plan.owners(parts).items()}
+        else:
+            pieces = plan.split_pieces(node_files, config.chunk_size)
+            by_rank = plan.partition(pieces, topo.node_comm.Get_size())
+            owner = plan.owners(by_rank)
+        total, total_files = sum_over_ranks(
+            comm, *((plan.bytes_needed(node_files), len(node_files)) if topo.is_leader else (0, 0))
+        )
+        with agreed(comm, f"{label}: preparing temporary files"):
+            me = topo.node_comm.Get_rank()
+            for e in node_files:
+                if owner[e.path] == me:
+                    files.prepare(dst_root / e.path, e.size)
+        progress = Progress(comm, label, total, total_files, config.progress)
+        outcome = Outcome()
+        with agreed(comm, f"{label}: copying"):
+            if broadcast:
+                outcome = copy_broadcast(
+                    columns,
+                    pieces,
+                    topo.nodes,
+                    {e.path for e in node_files},
+                    entries,
+                    src_root,
+                    dst_root,
+                    progress,
+                    config.replicate_round_bytes,
+                    config.io_threads,
+                )
+            else:
+                outcome = copy_direct(
+                    topo.node_comm,
+                    by_rank,
+                    entries,
+                    src_root,
+                    dst_root,
+                    progress,
+                    config.copy_buffer_size,
+                )
+        if broadcast and columns.comm is not None:
+            columns.comm.Free()
+        crcs: dict[str, int] = {}
+        changed: set[str] = set()
+        with agreed(comm, f"{label}: committing files"):
+            crcs, changed = _commit_node(topo.node_comm, dst_root, node_files, owner, outcome)
+        node_crcs = allgather_dict(topo.node_comm, crcs)
+        changed = set().union(*topo.node_comm.allgather(changed))
+        copied.crcs.update(node_crcs)
+        copied.files += len(node_crcs)
+        copied.bytes_written += sum(entries[p].size for p in node_crcs)
+        copied.source_bytes_read += comm.allreduce(outcome.source_bytes_read)
+        all_changed = sorted(set().union(*comm.allgather(changed)))
+        if not all_changed:
+            break
+        if attempt == MAX_ATTEMPTS:
+            message = f"{len(all_changed)} file(s) kept changing while being copied: " + ", ".join(
+                all_changed[:20]
+            )
+            if not skip_unreadable:
+                raise IntegrityError(
+                    message,
+                    hint="stop what writes to them, or pass --skip-unreadable to skip them",
+                )
+            skipped.extend(Skipped(p, "kept changing while being copied") for p in all_changed)
+            for path in changed:
+                files.temp_path(dst_root / path).unlink(missing_ok=True)
+            break
+        time.sleep(RETRY_BACKOFF_SECONDS * attempt)
+        fresh = _refresh(topo.node_comm, src_root, sorted(changed))
+        skipped.extend(Skipped(p, "removed during the copy") for p in sorted(changed - set(fresh)))
+        if comm.Get_rank() == 0:
+            log.info("%s: %d file(s) changed while copied; copying again", label, len(all_changed))
+        todo = [fresh[p] for p in sorted(changed) if p in fresh]
+        entries.update(fresh)
+    return copied
+
+
+def _commit_symlinks(dst_root: Path, links: Iterable[Entry]) -> int:
+    count = 0
+    for link in links:
+        files.commit_symlink(dst_root / link.path, link.target or "", link.mtime_ns)
+        count += 1
+    return count
+
+
+def _crcs_of_unchanged(
+    node_comm, root: Path, unchanged: Sequence[Entry], old: Manifest | None
+) -> dict[str, int]:
+    """Collective over ``node_comm``: CRC32C of files skipped as up to date.
+
+    From the previous manifest when it describes the same version; otherwise
+    the destination copy is read (dealt out over the node's ranks).
+    """
+    known = old.by_path() if old else {}
+    crcs, unknown = {}, []
+    for e in unchanged:
+        previous = known.get(e.path)
+        if e.kind != FILE:
+            continue
+        if previous and previous.same_version(e) and previous.crc32c is not None:
+            crcs[e.path] = previous.crc32c
+        else:
+            unknown.append(e)
+    computed = {e.path: files.checksum_file(root / e.path)[1] for e in deal(unknown, node_comm)}
+    return {**crcs, **allgather_dict(node_comm, computed)}
+
+
+def _verify_copies(
+    comm, root: Path, crcs: dict[str, int], entries: dict[str, Entry], node: int | None
+) -> None:
+    """Collective over ``comm``: re-read the files of ``crcs`` from the device and compare."""
+    bad = []
+    for path in deal(sorted(crcs), comm):
+        size, crc = files.checksum_file(root / path, drop_cache=True)
+        if size != entries[path].size or crc != crcs[path]:
+            bad.append(
+                f"{root / path} (expected {entries[path].size} bytes, CRC32C "
+                f"{crcs[path]:08x}; read {size} bytes, {crc:08x})"
+            )
+    bad = sorted(b for part in comm.allgather(bad) for b in part)
+    if bad:
+        raise IntegrityError(
+            f"{len(bad)} file(s) differ from what was copied: " + "; ".join(bad[:10]),
+            node=node,
+            hint="the device may be failing; rerun the command to copy them again",
+        )
+
+
+# -------------------------------------------------------------------- stage-in
+
+
+def stage_in(
+    comm,
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    mode: str = "replicate",
+    verify: bool = False,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    skip_unreadable: bool = False,
+    config: Config | None = None,
+) -> StageSummary:
+    """Collective over ``comm``: copy the tree ``src`` (on the PFS) into every node's ``dst``.
+
+    ``dst`` may contain ``{node}`` (and ``{job}``, ``{user}``).  ``mode``
+    "replicate" gives every node the whole tree, reading each byte from the
+    source once; "shard" gives each node a subset balanced by bytes.  Reruns
+    copy only what is missing or different.  Each node's ``dst/.bbio/manifest.json``
+    (written last) lists every file, its CRC32C and the node that holds it.
+    Returns the same summary on every rank.
+    """
+    config = config or load_config()
+    if mode not in MODES:
+        raise UsageError(f"unknown stage-in mode {mode!r}", hint=f"use one of {', '.join(MODES)}")
+    start = time.monotonic()
+    topo = topology(comm, config.ranks_per_node)
+    try:
+        return _stage_in(
+            comm,
+            topo,
+            Path(src),
+            dst,
+            mode,
+            verify,
+            include,
+            exclude,
+            skip_unreadable,
+            config,
+            start,
+        )
+    finally:
+        topo.free()
+
+
+def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreadable, config, start):
+    tree = walk(comm, src, include, exclude)
+    problems = check_readable(tree, skip_unreadable, str(src))
+    entries = _without(tree.entries, {p.path for p in problems})
+    skipped = tree.skipped + problems
+    dst_root = config.expand(dst, node=topo.node)
+    holder = (
+        plan.assign_nodes([e for e in entries if e.kind == FILE], topo.nodes)
+        if mode == "shard"
+        else {}
+    )
+    mine = [e for e in entries if e.kind != FILE or holder.get(e.path, topo.node) == topo.node]
+    dirs = [e for e in mine if e.kind == DIR]
+    current = dest_state(topo.node_comm, dst_root, [e.path for e in mine])
+    todo = plan.to_copy(mine, current)
+    with agreed(comm, "stage-in: checking burst-buffer space"):
+        if topo.is_leader:
+            _check_capacity(dst_root, plan.bytes_needed(todo), topo.node)
+    with agreed(comm, "stage-in: creating directories"):
+        if topo.is_leader:
+            _make_dirs(dst_root, dirs)
+    old = None
+    with agreed(comm, "stage-in: reading the previous manifest"):
+        old = files.read_manifest(dst_root)
+    broadcast = mode == "replicate" and topo.nodes > 1
+    copied = _copy_loop(
+        comm,
+        topo,
+        config,
+        "stage-in",
+        src,
+        dst_root,
+        [e for e in todo if e.kind == FILE],
+        broadcast,
+        skip_unreadable,
+        skipped,
+    )
+    links = 0
+    with agreed(comm, "stage-in: creating symlinks and setting directory times"):
+        if topo.is_leader:
+            links = _commit_symlinks(dst_root, [e for e in todo if e.kind == SYMLINK])
+    topo.node_comm.Barrier()
+    given_up = {s.path for s in skipped}
+    todo_paths = {e.path for e in todo}
+    unchanged = [e for e in mine if e.kind == FILE and e.path not in todo_paths]
+    node_crcs = dict(copied.crcs)
+    with agreed(comm, "stage-in: checksums of files already in place"):
+        node_crcs.update(_crcs_of_unchanged(topo.node_comm, dst_root, unchanged, old))
+    if verify:
+        with agreed(comm, "stage-in: verifying"):
+            _verify_copies(
+                topo.node_comm, dst_root, node_crcs, {e.path: e for e in mine}, topo.node
+            )
+    all_crcs = allgather_dict(comm, node_crcs if topo.is_leader else {})
+    with agreed(comm, "stage-in: finishing directories and writing the manifest"):
+        if topo.is_leader:
+            _finish_dirs(dst_root, dirs)
+            manifest_entries = [
+                dataclasses.replace(
+                    e,
+                    crc32c=all_crcs.get(e.path),
+                    node=holder.get(e.path) if mode == "shard" else None,
+                )
+                for e in entries
+                if e.path not in given_up
+            ]
+            files.write_manifest(
+                dst_root,
+                Manifest(
+                    "stage-in",
+                    manifest_entries,
+                    {
+                        "mode": mode,
+                        "source": str(src.resolve()),
+                        "nodes": topo.nodes,
+                        "node": topo.node,
+                        "verified": verify,
+                        "skipped": [dataclasses.asdict(s) for s in skipped],
+                    },
+                ),
+            )
+    seconds = comm.allreduce(time.monotonic() - start, op=_max())
+    totals = sum_over_ranks(
+        comm,
+        *(
+            (copied.files + links, len(unchanged), copied.bytes_written)
+            if topo.is_leader
+            else (0, 0, 0)
+        ),
+    )
+    _warn(comm, skipped)
+    return StageSummary(
+        operation="stage-in",
+        mode=mode,
+        nodes=topo.nodes,
+        files=totals[0],
+        unchanged=totals[1],
+        dataset_bytes=tree.total_bytes,
+        bytes_written=totals[2],
+        source_bytes_read=copied.source_bytes_read,
+        seconds=seconds,
+        verified=verify,
+        skipped=skipped,
+    )
+
+
+def _max():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def _warn(comm, skipped: Sequence[Skipped]) -> None:
+    if comm.Get_rank() == 0:
+        for s in skipped:
+            log.warning("skipped %s: %s", s.path, s.reason)
+
+
+# ------------------------------------------------------------------- stage-out
+
+
+def stage_out(
+    comm,
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    verify: bool = False,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    skip_unreadable: bool = False,
+    config: Config | None = None,
+) -> StageSummary:
+    """Collective over ``comm``: merge every node's ``src`` (may contain ``{node}``) into ``dst``.
+
+    Each path of the merged tree is written by exactly one node; a path that
+    several nodes hold in different versions is refused before anything is
+    copied.  Identical versions (same size and mtime) are written once.
+    ``dst/.bbio/manifest.json`` is written last.
+    """
+    config = config or load_config()
+    start = time.monotonic()
+    topo = topology(comm, config.ranks_per_node)
+    try:
+        return _stage_out(
+            comm,
+            topo,
+            src,
+            Path(config.expand(dst)),
+            verify,
+            include,
+            exclude,
+            skip_unreadable,
+            config,
+            start,
+        )
+    finally:
+        topo.free()
+
+
+def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreadable, config, start):
+    src_root = config.expand(src, node=topo.node)
+    tree = walk(topo.node_comm, src_root, include, exclude)
+    problems: list[Skipped] = []
+    with agreed(comm, "stage-out: checking that every source file is readable"):
+        problems = check_readable(tree, skip_unreadable, f"{src_root} (node {topo.node})")
+    entries = _without(tree.entries, {p.path for p in problems})
+    trees = comm.allgather(entries if topo.is_leader else None)
+    trees = [t for t in trees if t is not None]
+    chosen, conflicts = plan.merge_node_trees(trees)
+    if conflicts:
+        listing = "; ".join(
+            f"{c.path} (nodes {', '.join(map(str, c.nodes))})" for c in conflicts[:20]
+        )
+        raise AlreadyExistsError(
+            f"{len(conflicts)} path(s) exist on several nodes in different versions: {listing}",
+            path=dst_root,
+            hint="give each node's outputs distinct names (for example include the node or rank)",
+        )
+    merged = {e.path: e for node_entries in reversed(trees) for e in node_entries}
+    everything = [merged[p] for p in sorted(merged)]
+    dirs = [e for e in everything if e.kind == DIR]
+    skipped = sorted(
+        [
+            s
+            for part in comm.allgather(tree.skipped + problems if topo.is_leader else [])
+            for s in part
+        ],
+        key=lambda s: s.path,
+    )
+    current = dest_state(comm, dst_root, [e.path for e in everything])
+    todo_all = plan.to_copy(everything, current)
+    mine = [e for e in todo_all if chosen[e.path] == topo.node]
+    with agreed(comm, "stage-out: checking space and creating directories"):
+        if comm.Get_rank() == 0:
+            _check_capacity(dst_root, plan.bytes_needed(todo_all), None)
+            _make_dirs(dst_root, dirs)
+    comm.Barrier()
+    old = None
+    with agreed(comm, "stage-out: reading the previous manifest"):
+        old = files.read_manifest(dst_root)
+    copied = _copy_loop(
+        comm,
+        topo,
+        config,
+        "stage-out",
+        src_root,
+        dst_root,
+        [e for e in mine if e.kind == FILE],
+        False,
+        skip_unreadable,
+        skipped,
+    )
+    links = 0
+    with agreed(comm, "stage-out: creating symlinks"):
+        if topo.is_leader:
+            links = _commit_symlinks(dst_root, [e for e in mine if e.kind == SYMLINK])
+    comm.Barrier()
+    todo_paths = {e.path for e in todo_all}
+    unchanged = [e for e in everything if e.kind == FILE and e.path not in todo_paths]
+    crcs = allgather_dict(comm, copied.crcs if topo.is_leader else {})
+    with agreed(comm, "stage-out: checksums of files already in place"):
+        crcs.update(_crcs_of_unchanged(comm, dst_root, unchanged, old))
+    if verify:
+        with agreed(comm, "stage-out: verifying"):
+            _verify_copies(comm, dst_root, crcs, merged, None)
+    given_up = {s.path for s in skipped}
+    with agreed(comm, "stage-out: finishing directories and writing the manifest"):
+        if comm.Get_rank() == 0:
+            _finish_dirs(dst_root, dirs)
+            files.write_manifest(
+                dst_root,
+                Manifest(
+                    "stage-out",
+                    [
+                        dataclasses.replace(e, crc32c=crcs.get(e.path), node=chosen[e.path])
+                        for e in everything
+                        if e.path not in given_up
+                    ],
+                    {
+                        "source": str(src),
+                        "nodes": topo.nodes,
+                        "verified": verify,
+                        "skipped": [dataclasses.asdict(s) for s in skipped],
+                    },
+                ),
+            )
+    totals = sum_over_ranks(
+        comm, *((copied.files + links, copied.bytes_written) if topo.is_leader else (0, 0))
+    )
+    _warn(comm, skipped)
+    return StageSummary(
+        operation="stage-out",
+        mode="",
+        nodes=topo.nodes,
+        files=totals[0],
+        unchanged=len(unchanged),
+        dataset_bytes=plan.bytes_needed(everything),
+        bytes_written=totals[1],
+        source_bytes_read=copied.source_bytes_read,
+        seconds=comm.allreduce(time.monotonic() - start, op=_max()),
+        verified=verify,
+        skipped=skipped,
+    )

@@ -1,0 +1,187 @@
+"""Parallel walk of a source tree: every rank lists some directories and stats some entries.
+
+The walk goes level by level.  At each level the directories are dealt out to
+the ranks, which list them; then all the names found are dealt out again for
+``lstat``, so even one directory of a million files is stat'ed by every rank.
+Symlinks are never followed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import os
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+from bbio.errors import NotDirectoryError, NotFoundError
+from bbio.mpi import agreed
+from bbio.transfer.files import is_temp_name
+from bbio.transfer.manifest import DIR, FILE, META_DIR, SYMLINK, Entry, sorted_entries
+
+
+@dataclasses.dataclass(frozen=True)
+class Skipped:
+    """A path left out of a transfer, and why."""
+
+    path: str
+    reason: str
+
+
+@dataclasses.dataclass
+class Tree:
+    """The result of a walk: what to transfer, what was skipped, what could not be read."""
+
+    root: Path
+    entries: list[Entry]
+    skipped: list[Skipped]
+    unreadable: list[Skipped]
+
+    @property
+    def files(self) -> list[Entry]:
+        """The regular files, in path order."""
+        return [e for e in self.entries if e.kind == FILE]
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all regular files."""
+        return sum(e.size for e in self.entries if e.kind == FILE)
+
+
+def selected(path: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
+    """Whether ``path`` passes the filters: matches an include (if any) and no exclude.
+
+    Patterns are shell globs on the path relative to the source; ``*`` also
+    matches ``/``.
+    """
+    if include and not any(fnmatch.fnmatchcase(path, p) for p in include):
+        return False
+    return not any(fnmatch.fnmatchcase(path, p) for p in exclude)
+
+
+def symlink_target(root: Path, rel: str) -> str | None:
+    """The target to give the copy of symlink ``rel``; None if it points outside ``root``.
+
+    An absolute target inside ``root`` becomes relative, so that the copy
+    points into the copied tree, not back into the source.
+    """
+    real_root = os.path.realpath(root)
+    target = os.readlink(root / rel)
+    resolved = os.path.realpath(root / rel)
+    if os.path.commonpath([real_root, resolved]) != real_root:
+        return None
+    if os.path.isabs(target):
+        return os.path.relpath(resolved, os.path.dirname(os.path.join(real_root, rel)))
+    return target
+
+
+def _symlink_entry(root: Path, rel: str, st: os.stat_result) -> Entry | Skipped:
+    target = symlink_target(root, rel)
+    if target is None:
+        raw = os.readlink(root / rel)
+        return Skipped(rel, f"symlink to {raw} points outside the source; not followed")
+    return Entry(rel, SYMLINK, mtime_ns=st.st_mtime_ns, mode=0o777, target=target)
+
+
+def _stat_one(
+    root: Path, rel: str, include: Sequence[str], exclude: Sequence[str]
+) -> Entry | Skipped | None:
+    """The entry for ``rel``; Skipped for things never copied; None if filtered out or gone."""
+    try:
+        st = os.lstat(root / rel)
+    except FileNotFoundError:
+        return None  # removed since it was listed
+    mode = stat.S_IMODE(st.st_mode)
+    if stat.S_ISDIR(st.st_mode):
+        return Entry(rel, DIR, mtime_ns=st.st_mtime_ns, mode=mode)
+    if not selected(rel, include, exclude):
+        return None
+    if stat.S_ISREG(st.st_mode):
+        return Entry(rel, FILE, size=st.st_size, mtime_ns=st.st_mtime_ns, mode=mode)
+    if stat.S_ISLNK(st.st_mode):
+        return _symlink_entry(root, rel, st)
+    return Skipped(rel, "special file (device, FIFO or socket); not copied")
+
+
+def _list_dir(root: Path, rel: str) -> tuple[list[str], Skipped | None]:
+    names = []
+    try:
+        with os.scandir(root / rel) as it:
+            for item in it:
+                if is_temp_name(item.name) or (rel == "" and item.name == META_DIR):
+                    continue
+                names.append(f"{rel}/{item.name}" if rel else item.name)
+    except PermissionError as exc:
+        return [], Skipped(rel or ".", f"cannot list directory: {exc.strerror}")
+    except FileNotFoundError:
+        return [], None
+    return names, None
+
+
+def _flatten(lists: list[list]) -> list:
+    return [item for sub in lists for item in sub]
+
+
+def check_source(root: Path) -> None:
+    """Raise a clear error unless ``root`` is an existing directory.  Not collective."""
+    if not root.exists():
+        raise NotFoundError("the source does not exist", path=root)
+    if not root.is_dir():
+        raise NotDirectoryError("the source is not a directory", path=root)
+
+
+def walk(comm, root: Path, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> Tree:
+    """Collective over ``comm``: walk ``root`` (seen alike by every rank of ``comm``).
+
+    Every rank returns the same :class:`Tree`.  Files the process cannot read
+    go to ``unreadable``; symlinks pointing outside ``root`` and special files
+    go to ``skipped``.  bbio's own ``.bbio`` directory and temporary files are
+    never listed.
+    """
+    rank, size = comm.Get_rank(), comm.Get_size()
+    with agreed(comm, f"walking {root}"):
+        check_source(root)
+    entries: list[Entry] = []
+    skipped: list[Skipped] = []
+    unreadable: list[Skipped] = []
+    level = [""]
+    while level:
+        names: list[str] = []
+        for rel in level[rank::size]:
+            listed, problem = _list_dir(root, rel)
+            names.extend(listed)
+            if problem:
+                unreadable.append(problem)
+        all_names = sorted(_flatten(comm.allgather(names)))
+        found, subdirs = [], []
+        for rel in all_names[rank::size]:
+            item = _stat_one(root, rel, include, exclude)
+            if isinstance(item, Skipped):
+                skipped.append(item)
+            elif item is not None:
+                found.append(item)
+                if item.kind == DIR:
+                    subdirs.append(rel)
+                elif item.kind == FILE and not os.access(root / rel, os.R_OK, effective_ids=True):
+                    unreadable.append(Skipped(rel, "permission denied"))
+        entries.extend(_flatten(comm.allgather(found)))
+        level = sorted(_flatten(comm.allgather(subdirs)))
+    skipped = sorted(_flatten(comm.allgather(skipped)), key=lambda s: s.path)
+    unreadable = sorted(_flatten(comm.allgather(unreadable)), key=lambda s: s.path)
+    entries = sorted_entries(entries)
+    if include or exclude:
+        entries = _prune_empty_dirs(entries)
+    return Tree(root, entries, skipped, unreadable)
+
+
+def _prune_empty_dirs(entries: list[Entry]) -> list[Entry]:
+    """Drop directories that hold no selected file or symlink (when filters are used)."""
+    needed = set()
+    for e in entries:
+        if e.kind != DIR:
+            parent = os.path.dirname(e.path)
+            while parent and parent not in needed:
+                needed.add(parent)
+                parent = os.path.dirname(parent)
+    return [e for e in entries if e.kind != DIR or e.path in needed]

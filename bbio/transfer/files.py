@@ -1,0 +1,276 @@
+"""File operations of the transfer layer: temporary names, piecewise copy, commit, manifests.
+
+Not collective: each function works on one process's files.  A destination
+file is written under a hidden temporary name next to it (``.NAME.bbio-part``),
+possibly by several ranks at once at disjoint offsets, and only its committer
+gives it its final name, after setting mode and mtime and fsyncing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bbio import _native
+from bbio.errors import from_oserror
+from bbio.transfer.manifest import META_DIR, Manifest
+
+TEMP_SUFFIX = ".bbio-part"
+_NAME_MAX = 255
+_VERIFY_BUFFER = 4 << 20
+
+
+def temp_path(final: Path) -> Path:
+    """The temporary name a file is written under before it is committed."""
+    name = f".{final.name}{TEMP_SUFFIX}"
+    if len(os.fsencode(name)) > _NAME_MAX:
+        digest = hashlib.sha1(os.fsencode(final.name)).hexdigest()
+        name = f".{digest}{TEMP_SUFFIX}"
+    return final.with_name(name)
+
+
+def is_temp_name(name: str) -> bool:
+    """True for names made by :func:`temp_path` (never staged or listed)."""
+    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+
+
+def _fail(exc: OSError, action: str, path: Path | str):
+    return from_oserror(exc, action, path)
+
+
+def prepare(final: Path, size: int) -> Path:
+    """Create (or empty) the temporary file of ``final`` and reserve ``size`` bytes.
+
+    A leftover of an earlier, interrupted run is overwritten.  Returns its path.
+    """
+    temp = temp_path(final)
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    except OSError as exc:
+        raise _fail(exc, "create the temporary file", temp) from None
+    try:
+        if size > 0:
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                    raise _fail(exc, f"reserve {size} bytes", temp) from None
+    finally:
+        os.close(fd)
+    return temp
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceResult:
+    """What copying one piece did: bytes, their CRC32C, whether the source changed."""
+
+    nbytes: int
+    crc32c: int
+    changed: bool
+
+
+def copy_piece(
+    src: Path,
+    dst_temp: Path,
+    offset: int,
+    length: int,
+    expected_size: int,
+    expected_mtime_ns: int,
+    buffer_size: int = 2 << 20,
+) -> PieceResult:
+    """Copy ``length`` bytes at ``offset`` of ``src`` into the same range of ``dst_temp``.
+
+    ``changed`` is True when the source no longer has the size and mtime the
+    plan was made with, or when fewer bytes than expected could be read.
+    """
+    try:
+        src_fd = os.open(src, os.O_RDONLY)
+    except OSError as exc:
+        raise _fail(exc, "open for reading", src) from None
+    try:
+        try:
+            dst_fd = os.open(dst_temp, os.O_WRONLY)
+        except OSError as exc:
+            raise _fail(exc, "open the temporary file", dst_temp) from None
+        try:
+            result = _native.copy_range(
+                src_fd,
+                dst_fd,
+                offset,
+                offset,
+                length,
+                checksum=True,
+                buffer_size=buffer_size,
+                src_path=src,
+                dst_path=dst_temp,
+            )
+        finally:
+            os.close(dst_fd)
+        after = os.fstat(src_fd)
+    finally:
+        os.close(src_fd)
+    changed = (
+        result.nbytes != length
+        or after.st_size != expected_size
+        or after.st_mtime_ns != expected_mtime_ns
+    )
+    return PieceResult(result.nbytes, result.crc32c or 0, changed)
+
+
+def commit(final: Path, mode: int, mtime_ns: int) -> None:
+    """Give the temporary file of ``final`` its mode and mtime, fsync it, rename it into place.
+
+    The parent directory still needs :func:`fsync_dirs` for the rename to be durable.
+    """
+    temp = temp_path(final)
+    try:
+        fd = os.open(temp, os.O_WRONLY)
+        try:
+            os.fchmod(fd, mode & 0o7777)
+            os.utime(fd, ns=(mtime_ns, mtime_ns))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, final)
+    except OSError as exc:
+        raise _fail(exc, "commit", final) from None
+
+
+def commit_symlink(final: Path, target: str, mtime_ns: int) -> None:
+    """Create the symlink ``final`` -> ``target`` atomically (temp name, then rename)."""
+    temp = temp_path(final)
+    try:
+        if temp.is_symlink() or temp.exists():
+            temp.unlink()
+        os.symlink(target, temp)
+        os.utime(temp, ns=(mtime_ns, mtime_ns), follow_symlinks=False)
+        os.replace(temp, final)
+    except OSError as exc:
+        raise _fail(exc, "create the symlink", final) from None
+
+
+def fsync_dirs(directories: Iterable[Path]) -> None:
+    """fsync each directory, so that the renames inside it are durable."""
+    for directory in set(directories):
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError as exc:
+            raise _fail(exc, "open the directory", directory) from None
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_json_atomic(path: Path, document: Any) -> None:
+    """Write ``document`` as JSON to ``path`` durably: temp name, fsync, rename, fsync dir."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    data = json.dumps(document, separators=(",", ":")).encode()
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+    except OSError as exc:
+        raise _fail(exc, "write", path) from None
+    fsync_dirs([path.parent])
+
+
+def read_json(path: Path) -> Any | None:
+    """The JSON document at ``path``, or None if there is none."""
+    try:
+        with open(path, "rb") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise _fail(exc, "read", path) from None
+    except ValueError as exc:
+        raise from_oserror(OSError(errno.EIO, f"not valid JSON: {exc}"), "read", path) from None
+
+
+def manifest_path(root: Path, name: str = "manifest") -> Path:
+    """Where the manifest ``name`` of the tree ``root`` lives."""
+    return root / META_DIR / f"{name}.json"
+
+
+def write_manifest(root: Path, manifest: Manifest, name: str = "manifest") -> Path:
+    """Commit ``manifest`` for the tree ``root`` (written last, durably).  Returns its path."""
+    path = manifest_path(root, name)
+    write_json_atomic(path, manifest.to_json())
+    return path
+
+
+def read_manifest(root: Path, name: str = "manifest") -> Manifest | None:
+    """The committed manifest of ``root``, or None if there is none."""
+    path = manifest_path(root, name)
+    document = read_json(path)
+    return None if document is None else Manifest.from_json(document, str(path))
+
+
+def checksum_file(path: Path, *, drop_cache: bool = False) -> tuple[int, int]:
+    """(size, CRC32C) of the bytes of ``path``, read now.
+
+    ``drop_cache`` first asks the kernel to drop its cached pages (after an
+    fsync they are on the device), so the bytes come from the device.
+    """
+    buffer = _native.aligned_buffer(_VERIFY_BUFFER)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise _fail(exc, "open for verification", path) from None
+    try:
+        if drop_cache:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        size = crc = 0
+        while True:
+            n = os.readv(fd, [buffer])
+            if n == 0:
+                return size, crc
+            crc = _native.crc32c(buffer[:n], crc)
+            size += n
+    except OSError as exc:
+        raise _fail(exc, "read for verification", path) from None
+    finally:
+        os.close(fd)
+
+
+def checksum_range(path: Path, offset: int, length: int) -> tuple[int, int]:
+    """(bytes read, CRC32C) of ``length`` bytes of ``path`` at ``offset``."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise _fail(exc, "open for verification", path) from None
+    try:
+        out = np.empty(length, dtype=np.uint8)
+        got = int(_native.pread_batch([fd], [offset], [length], out, paths=[path])[0])
+        return got, _native.crc32c(out[:got])
+    finally:
+        os.close(fd)
+
+
+def free_bytes(path: Path) -> int:
+    """Bytes available to this user on the file system of ``path`` (or its nearest parent)."""
+    for candidate in (path, *path.parents):
+        try:
+            st = os.statvfs(candidate)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise _fail(exc, "check free space on", candidate) from None
+        return st.f_bavail * st.f_frsize
+    return 0

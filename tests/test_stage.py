@@ -1,0 +1,348 @@
+"""Stage-in, stage-out, verify and pack on 2 or 4 ranks in 2 virtual nodes (real MPI and files)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import crc32c as crc32c_package
+import h5py
+import numpy as np
+import pytest
+
+import bbio
+from bbio.config import Config
+from bbio.report import format_bytes
+from bbio.stage import run as stage_run
+from bbio.stage.pack import INDEX_NAME, read_index
+from bbio.transfer.files import read_manifest
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def two_nodes(comm, tmp: Path, **settings) -> Config:
+    """Config that splits the ranks into 2 virtual nodes with BBs under ``tmp``."""
+    return Config(
+        bb_root=str(tmp / "bb" / "{node}"),
+        ranks_per_node=comm.Get_size() // 2,
+        progress="never",
+        **settings,
+    )
+
+
+def make_tree(root: Path, seed: int = 0) -> dict[str, bytes]:
+    """A source tree with small, empty, chunked and oddly named files; returns {path: bytes}."""
+    rng = np.random.default_rng(seed)
+    contents = {
+        "empty.bin": b"",
+        "one.bin": b"x",
+        "dir a/naïve file é.txt": b"non-ASCII and spaces\n",
+        "deep/er/still/leaf.dat": rng.bytes(4097),
+        "big/large.bin": rng.bytes(3 * 1024 * 1024 + 17),
+    }
+    for i in range(40):
+        contents[f"many/s{i:03d}.bin"] = rng.bytes(int(rng.integers(0, 20_000)))
+    for path, data in contents.items():
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_bytes(data)
+    (root / "empty dir").mkdir()
+    os.chmod(root / "one.bin", 0o600)
+    os.utime(root / "one.bin", ns=(1_600_000_000_123_456_789, 1_600_000_000_123_456_789))
+    os.symlink("big/large.bin", root / "link-inside")
+    os.symlink(str(root / "one.bin"), root / "abs-link-inside")
+    os.symlink("/etc/hostname", root / "link-outside")
+    os.mkfifo(root / "a-fifo")
+    return contents
+
+
+@pytest.fixture
+def tree(comm, shared_tmp):
+    src = shared_tmp / "pfs" / "data"
+    contents = None
+    if comm.Get_rank() == 0:
+        src.mkdir(parents=True)
+        contents = make_tree(src)
+    return src, comm.bcast(contents, root=0)
+
+
+def files_under(root: Path) -> dict[str, bytes]:
+    found = {}
+    for path in root.rglob("*"):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(".bbio") or path.is_symlink() or not path.is_file():
+            continue
+        found[rel] = path.read_bytes()
+    return found
+
+
+def same_on_all_ranks(comm, value) -> bool:
+    return comm.allgather(value) == [value] * comm.Get_size()
+
+
+def test_replicate_gives_every_node_the_whole_tree_reading_each_byte_once(comm, shared_tmp, tree):
+    src, contents = tree
+    config = two_nodes(comm, shared_tmp, chunk_size=1 << 20, replicate_round_bytes=1 << 20)
+    summary = bbio.stage_in(comm, src, shared_tmp / "bb" / "{node}" / "data", config=config)
+    dataset = sum(len(b) for b in contents.values())
+    assert summary.nodes == 2
+    assert summary.dataset_bytes == dataset
+    assert summary.source_bytes_read == dataset
+    assert summary.bytes_written == 2 * dataset
+    assert same_on_all_ranks(comm, dataclasses.astuple(summary)[:-1])
+    assert sorted(s.path for s in summary.skipped) == ["a-fifo", "link-outside"]
+    for node in (0, 1):
+        dst = shared_tmp / "bb" / str(node) / "data"
+        assert files_under(dst) == contents
+        assert os.readlink(dst / "link-inside") == "big/large.bin"
+        assert os.readlink(dst / "abs-link-inside") == "one.bin"
+        assert not (dst / "link-outside").exists() and not (dst / "a-fifo").exists()
+        assert (dst / "empty dir").is_dir()
+        st = os.stat(dst / "one.bin")
+        assert (st.st_mode & 0o777, st.st_mtime_ns) == (0o600, 1_600_000_000_123_456_789)
+        manifest = read_manifest(dst)
+        assert manifest.attrs["mode"] == "replicate" and manifest.attrs["node"] == node
+        for entry in manifest.entries:
+            if entry.kind == "file":
+                assert entry.crc32c == crc32c_package.crc32c(contents[entry.path])
+        assert not [p for p in dst.rglob("*.bbio-part")]
+
+
+def test_rerun_copies_only_what_changed(comm, shared_tmp, tree):
+    src, _ = tree
+    config = two_nodes(comm, shared_tmp)
+    dst = shared_tmp / "bb" / "{node}" / "data"
+    first = bbio.stage_in(comm, src, dst, config=config)
+    second = bbio.stage_in(comm, src, dst, config=config)
+    assert second.files == 0 and second.bytes_written == 0
+    assert second.unchanged == first.files - 2 * 2  # two symlinks per node are not files
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        (src / "many" / "s007.bin").write_bytes(b"new content")
+    comm.Barrier()
+    third = bbio.stage_in(comm, src, dst, config=config)
+    assert third.files == 2  # one file, on each node
+    assert third.bytes_written == 2 * len(b"new content")
+    for node in (0, 1):
+        assert (shared_tmp / "bb" / str(node) / "data/many/s007.bin").read_bytes() == b"new content"
+
+
+def test_shard_puts_each_file_on_one_node(comm, shared_tmp, tree):
+    src, contents = tree
+    config = two_nodes(comm, shared_tmp)
+    summary = bbio.stage_in(
+        comm, src, shared_tmp / "bb" / "{node}" / "s", mode="shard", verify=True, config=config
+    )
+    assert summary.verified
+    on_node = [files_under(shared_tmp / "bb" / str(n) / "s") for n in (0, 1)]
+    assert not set(on_node[0]) & set(on_node[1])
+    assert {**on_node[0], **on_node[1]} == contents
+    assert on_node[0] and on_node[1]
+    for node in (0, 1):
+        manifest = read_manifest(shared_tmp / "bb" / str(node) / "s")
+        holders = {e.path: e.node for e in manifest.entries if e.kind == "file"}
+        assert set(holders) == set(contents)
+        assert {p for p, n in holders.items() if n == node} == set(on_node[node])
+
+
+def test_filters_and_an_empty_tree(comm, shared_tmp, tree):
+    src, contents = tree
+    config = two_nodes(comm, shared_tmp)
+    bbio.stage_in(
+        comm,
+        src,
+        shared_tmp / "bb" / "{node}" / "f",
+        include=["many/*", "*.txt"],
+        exclude=["many/s00*"],
+        config=config,
+    )
+    expected = {
+        p: b
+        for p, b in contents.items()
+        if (p.startswith("many/") or p.endswith(".txt")) and not p.startswith("many/s00")
+    }
+    assert files_under(shared_tmp / "bb" / "0" / "f") == expected
+    assert not (shared_tmp / "bb" / "0" / "f" / "deep").exists()
+    empty = shared_tmp / "pfs" / "empty"
+    if comm.Get_rank() == 0:
+        empty.mkdir()
+    comm.Barrier()
+    summary = bbio.stage_in(comm, empty, shared_tmp / "bb" / "{node}" / "e", config=config)
+    assert (summary.files, summary.dataset_bytes) == (0, 0)
+    assert read_manifest(shared_tmp / "bb" / "1" / "e").entries == []
+
+
+def test_missing_source_is_the_same_clear_error_on_every_rank(comm, shared_tmp):
+    with pytest.raises(bbio.NotFoundError) as info:
+        bbio.stage_in(
+            comm, shared_tmp / "nope", shared_tmp / "bb", config=two_nodes(comm, shared_tmp)
+        )
+    assert "the source does not exist" in str(info.value)
+    assert same_on_all_ranks(comm, str(info.value))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_full_burst_buffer_is_refused_before_any_copy(comm, shared_tmp, tree):
+    src, contents = tree
+    small = shared_tmp / "small"
+    if comm.Get_rank() == 0:
+        small.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    comm.Barrier()
+    try:
+        config = dataclasses.replace(two_nodes(comm, shared_tmp), bb_root=str(small / "{node}"))
+        with pytest.raises(bbio.NoSpaceError) as info:
+            bbio.stage_in(comm, src, small / "{node}", config=config)
+        message = str(info.value)
+        needed = sum(len(b) for b in contents.values())
+        assert f"needs {format_bytes(needed)} ({needed} bytes)" in message
+        assert "free" in message and "node 0" in message
+        assert same_on_all_ranks(comm, message)
+        assert not [p for p in small.rglob("*") if p.is_file()]
+    finally:
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            subprocess.run(["umount", str(small)], check=True)
+
+
+def _keep_changing(path: Path, stop: threading.Event, seconds: float | None) -> None:
+    end = None if seconds is None else time.monotonic() + seconds
+    counter = 0
+    while not stop.is_set() and (end is None or time.monotonic() < end):
+        counter += 1
+        with open(path, "ab") as f:
+            f.write(b"+")
+        os.utime(path, ns=(counter, counter))
+        time.sleep(0.0005)
+
+
+@pytest.mark.parametrize("writer_seconds", [0.3, None], ids=["changes-then-stops", "never-stops"])
+def test_a_file_that_changes_during_the_copy(comm, shared_tmp, writer_seconds):
+    src = shared_tmp / "pfs" / "hot"
+    config = two_nodes(comm, shared_tmp)
+    stop = threading.Event()
+    writer = None
+    if comm.Get_rank() == 0:
+        src.mkdir(parents=True)
+        (src / "calm.bin").write_bytes(b"calm")
+        (src / "hot.log").write_bytes(b"start")
+        writer = threading.Thread(
+            target=_keep_changing, args=(src / "hot.log", stop, writer_seconds)
+        )
+        writer.start()
+    comm.Barrier()
+    try:
+        dst = shared_tmp / "bb" / "{node}" / "hot"
+        if writer_seconds is not None:
+            summary = bbio.stage_in(comm, src, dst, config=config)
+            assert summary.files == 4
+            comm.Barrier()
+            final = (src / "hot.log").read_bytes()
+            assert (shared_tmp / "bb" / "1" / "hot" / "hot.log").read_bytes() == final
+        else:
+            with pytest.raises(
+                bbio.IntegrityError, match=r"kept changing while being copied: hot\.log"
+            ):
+                bbio.stage_in(comm, src, dst, config=config)
+            summary = bbio.stage_in(comm, src, dst, skip_unreadable=True, config=config)
+            assert [s.path for s in summary.skipped] == ["hot.log"]
+            assert not (shared_tmp / "bb" / "0" / "hot" / "hot.log").exists()
+            assert (shared_tmp / "bb" / "0" / "hot" / "calm.bin").read_bytes() == b"calm"
+            assert "hot.log" not in {e.path for e in read_manifest(shared_tmp / "bb/0/hot").entries}
+    finally:
+        stop.set()
+        if writer:
+            writer.join()
+
+
+def test_stage_out_merges_nodes_and_refuses_conflicts(comm, shared_tmp):
+    config = two_nodes(comm, shared_tmp)
+    topo_node = comm.Get_rank() // (comm.Get_size() // 2)
+    out_src = shared_tmp / "bb" / str(topo_node) / "out"
+    if comm.Get_rank() % (comm.Get_size() // 2) == 0:
+        (out_src / "results").mkdir(parents=True)
+        (out_src / "results" / f"node{topo_node}.npy").write_bytes(bytes([topo_node]) * 1000)
+        (out_src / "same.txt").write_bytes(b"identical")
+        os.utime(out_src / "same.txt", ns=(5, 5))
+    comm.Barrier()
+    dst = shared_tmp / "pfs" / "results"
+    summary = bbio.stage_out(
+        comm, shared_tmp / "bb" / "{node}" / "out", dst, verify=True, config=config
+    )
+    assert summary.files == 3
+    assert files_under(dst) == {
+        "results/node0.npy": b"\0" * 1000,
+        "results/node1.npy": b"\1" * 1000,
+        "same.txt": b"identical",
+    }
+    nodes = {e.path: e.node for e in read_manifest(dst).entries if e.kind == "file"}
+    assert nodes == {"results/node0.npy": 0, "results/node1.npy": 1, "same.txt": 0}
+    report = bbio.verify(comm, shared_tmp / "bb" / "{node}" / "out", dst, config=config)
+    assert not report.problems
+    comm.Barrier()
+    if comm.Get_rank() == comm.Get_size() - 1:
+        (shared_tmp / "bb" / "1" / "out" / "same.txt").write_bytes(b"different")
+    comm.Barrier()
+    with pytest.raises(bbio.AlreadyExistsError, match=r"same.txt \(nodes 0, 1\)"):
+        bbio.stage_out(
+            comm, shared_tmp / "bb" / "{node}" / "out", shared_tmp / "pfs" / "r2", config=config
+        )
+
+
+def test_verify_finds_a_corrupted_copy(comm, shared_tmp, tree):
+    src, _ = tree
+    config = two_nodes(comm, shared_tmp)
+    dst = shared_tmp / "bb" / "{node}" / "v"
+    bbio.stage_in(comm, src, dst, config=config)
+    assert not bbio.verify(comm, src, dst, config=config).problems
+    victim = shared_tmp / "bb" / "1" / "v" / "deep/er/still/leaf.dat"
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        st = victim.stat()
+        with open(victim, "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    comm.Barrier()
+    with pytest.raises(bbio.IntegrityError) as info:
+        bbio.verify(comm, src, dst, config=config)
+    assert str(victim) in str(info.value)
+    assert same_on_all_ranks(comm, str(info.value))
+
+
+def test_pack_and_read_back_with_plain_h5py(comm, shared_tmp, tree):
+    src, contents = tree
+    out = shared_tmp / "packed"
+    summary = bbio.pack(comm, src, out, shard_size=64 << 10, config=two_nodes(comm, shared_tmp))
+    assert summary.samples == len(contents)
+    shards = read_index(out)
+    assert summary.shards == len(shards) > 2
+    names = sorted(contents)
+    seen = []
+    for info in shards:
+        with h5py.File(out / info.file, "r") as f:
+            assert f.attrs["first_sample"] == len(seen)
+            for i, name in enumerate(f["names"].asstr()[:]):
+                start, size = int(f["offsets"][i]), int(f["sizes"][i])
+                data = bytes(f["data"][start : start + size])
+                assert data == contents[name]
+                assert int(f["crc32c"][i]) == crc32c_package.crc32c(data)
+                seen.append(name)
+        with open(out / info.file, "rb") as raw:  # the data offset allows plain preads
+            raw.seek(info.data_offset)
+            assert raw.read(8) == contents[seen[info.first_sample]][:8]
+    assert seen == names
+    staged = bbio.stage_in(
+        comm, out, shared_tmp / "bb" / "{node}" / "p", config=two_nodes(comm, shared_tmp)
+    )
+    assert staged.files == 2 * (len(shards) + 1)  # shards and the index, on each node
+    assert (shared_tmp / "bb" / "1" / "p" / INDEX_NAME).exists()
+
+
+def test_module_level_api_matches_stage_run():
+    assert bbio.stage_in is stage_run.stage_in and bbio.stage_out is stage_run.stage_out

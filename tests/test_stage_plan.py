@@ -1,0 +1,117 @@
+"""Staging plans are pure functions: tested without MPI or files."""
+
+from __future__ import annotations
+
+import pytest
+
+from bbio.errors import IntegrityError
+from bbio.stage import plan
+from bbio.stage.plan import DestState, Piece
+from bbio.stage.walk import selected
+from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry, Manifest
+
+
+def f(path: str, size: int, mtime: int = 1) -> Entry:
+    return Entry(path, FILE, size=size, mtime_ns=mtime)
+
+
+def test_up_to_date_compares_kind_size_mtime_and_target():
+    src = f("a", 10, mtime=5)
+    assert plan.up_to_date(src, DestState(FILE, 10, 5))
+    assert not plan.up_to_date(src, None)
+    assert not plan.up_to_date(src, DestState(FILE, 11, 5))
+    assert not plan.up_to_date(src, DestState(FILE, 10, 6))
+    assert not plan.up_to_date(src, DestState(DIR, 0, 5))
+    link = Entry("l", SYMLINK, target="a")
+    assert plan.up_to_date(link, DestState(SYMLINK, 0, 0, "a"))
+    assert not plan.up_to_date(link, DestState(SYMLINK, 0, 0, "b"))
+
+
+def test_to_copy_skips_directories_and_current_files():
+    entries = [Entry("d", DIR), f("d/a", 1), f("d/b", 2)]
+    dest = {"d/a": DestState(FILE, 1, 1)}
+    assert [e.path for e in plan.to_copy(entries, dest)] == ["d/b"]
+
+
+def test_split_pieces_cuts_large_files_and_keeps_empty_ones():
+    pieces = plan.split_pieces([f("a", 0), f("b", 10), f("c", 25), Entry("l", SYMLINK)], 10)
+    assert pieces == [
+        Piece("a", 0, 0),
+        Piece("b", 0, 10),
+        Piece("c", 0, 10),
+        Piece("c", 10, 10),
+        Piece("c", 20, 5),
+    ]
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 7])
+def test_partition_is_contiguous_complete_and_balanced(parts):
+    pieces = plan.split_pieces([f(f"x{i:03d}", 1000 + 37 * i) for i in range(100)], 1 << 20)
+    result = plan.partition(pieces, parts)
+    assert len(result) == parts
+    assert [p for part in result for p in part] == pieces
+    costs = [sum(p.length + plan.FILE_COST_BYTES for p in part) for part in result]
+    biggest = max(p.length + plan.FILE_COST_BYTES for p in pieces)
+    assert max(costs) - min(costs) <= 2 * biggest
+
+
+def test_partition_of_nothing():
+    assert plan.partition([], 3) == [[], [], []]
+
+
+def test_group_by_size():
+    sizes = [5, 5, 5, 20, 1, 1]
+    groups = plan.group_by_size(sizes, 10, lambda s: s)
+    assert groups == [[5, 5], [5], [20], [1, 1]]
+    assert plan.group_by_size([], 10, lambda s: s) == []
+
+
+def test_assign_nodes_balances_bytes_and_is_deterministic():
+    files = [f(f"s{i}", (i % 10) * 1000 + 1) for i in range(200)]
+    owner = plan.assign_nodes(files, 3)
+    assert set(owner) == {e.path for e in files}
+    loads = [sum(e.size for e in files if owner[e.path] == n) for n in range(3)]
+    assert max(loads) - min(loads) <= 10_000
+    assert plan.assign_nodes(list(reversed(files)), 3) == owner
+
+
+def test_owners_are_ranks_of_first_pieces():
+    by_rank = [[Piece("a", 0, 10), Piece("b", 0, 5)], [Piece("b", 5, 5), Piece("c", 0, 1)]]
+    assert plan.owners(by_rank) == {"a": 0, "b": 0, "c": 1}
+
+
+def test_merge_node_trees_dedupes_identical_and_reports_conflicts():
+    node0 = [Entry("out", DIR), f("out/a", 1, 1), f("shared", 5, 9), f("clash", 3, 1)]
+    node1 = [Entry("out", DIR), f("out/b", 1, 1), f("shared", 5, 9), f("clash", 4, 1)]
+    chosen, conflicts = plan.merge_node_trees([node0, node1])
+    assert chosen == {"out": 0, "out/a": 0, "shared": 0, "clash": 0, "out/b": 1}
+    assert conflicts == [plan.Conflict("clash", (0, 1))]
+
+
+@pytest.mark.parametrize(
+    ("path", "include", "exclude", "expected"),
+    [
+        ("a/b.jpg", [], [], True),
+        ("a/b.jpg", ["*.jpg"], [], True),
+        ("a/b.png", ["*.jpg"], [], False),
+        ("logs/x.txt", [], ["logs/*"], False),
+        ("a/logs/x.txt", [], ["logs/*"], True),
+        ("a b/é.jpg", ["*.jpg"], ["*tmp*"], True),
+    ],
+)
+def test_filters(path, include, exclude, expected):
+    assert selected(path, include, exclude) is expected
+
+
+def test_manifest_round_trip_and_rejection():
+    manifest = Manifest(
+        "stage-in",
+        [f("a b/é", 3), Entry("l", SYMLINK, target="a b/é"), Entry("d", DIR, mode=0o700)],
+        {"mode": "shard"},
+    )
+    back = Manifest.from_json(manifest.to_json(), "here")
+    assert back.entries == manifest.entries
+    assert back.attrs == {"mode": "shard"}
+    assert back.total_bytes == 3
+    with pytest.raises(IntegrityError, match="not a bbio manifest"):
+        Manifest.from_json({"format": "other"}, "here")
