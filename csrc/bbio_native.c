@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "bbio_native_api.h"
@@ -64,6 +65,8 @@ uint32_t bbio_crc32c_combine(uint32_t crc1, uint32_t crc2, int64_t len2)
     uint32_t even[32], odd[32];
     if (len2 <= 0)
         return crc1;
+    if (crc1 == 0) /* the shift is linear: zero stays zero */
+        return crc2;
     one_zero_bit(odd);
     gf2_matrix_square(even, odd); /* two zero bits */
     gf2_matrix_square(odd, even); /* four zero bits */
@@ -510,6 +513,125 @@ int bbio_copy_range(int src_fd, int dst_fd, int64_t src_off, int64_t dst_off,
     return err;
 }
 
+/* Run worker(arg) on up to nthreads threads (never more than jobs), the
+ * calling thread included.  If threads cannot be created, the calling thread
+ * does the rest of the work: nothing fails for lack of threads. */
+static void run_workers(void *(*worker)(void *), void *arg, int nthreads, int64_t jobs)
+{
+    if ((int64_t)nthreads > jobs)
+        nthreads = (int)jobs;
+    pthread_t *threads = NULL;
+    int started = 0;
+    if (nthreads > 1) {
+        threads = calloc((size_t)nthreads - 1, sizeof(*threads));
+        for (; threads && started < nthreads - 1; started++)
+            if (pthread_create(&threads[started], NULL, worker, arg) != 0)
+                break;
+    }
+    worker(arg);
+    for (int t = 0; t < started; t++)
+        pthread_join(threads[t], NULL);
+    free(threads);
+}
+
+/* ------------------------------------------------------ batched file copies */
+
+struct file_batch {
+    const char *const *src;
+    const char *const *dst;
+    int64_t count;
+    size_t buf_size;
+    int flags;
+    const uint32_t *modes;
+    const int64_t *mtimes_ns;
+    int64_t *copied;
+    uint32_t *crcs;
+    int *errors;
+    int *failed_side;
+    int64_t *size_after;
+    int64_t *mtime_ns_after;
+    int64_t next; /* advanced atomically */
+};
+
+static void copy_one_file(struct file_batch *b, int64_t i, void *buf)
+{
+    b->errors[i] = 0;
+    b->failed_side[i] = 0;
+    int src_fd = open(b->src[i], O_RDONLY | O_CLOEXEC);
+    if (src_fd < 0) {
+        b->errors[i] = errno;
+        return;
+    }
+    int dst_fd = open(b->dst[i], O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (dst_fd < 0) {
+        b->errors[i] = errno;
+        b->failed_side[i] = 1;
+        close(src_fd);
+        return;
+    }
+    int failed_fd = -1;
+    int err = bbio_copy_range(src_fd, dst_fd, 0, 0, -1, buf, b->buf_size,
+                              b->flags, &b->copied[i], &b->crcs[i], &failed_fd);
+    struct stat st;
+    if (!err && fstat(src_fd, &st) != 0)
+        err = errno;
+    if (!err && b->modes) {
+        struct timespec times[2];
+        times[0].tv_sec = times[1].tv_sec = (time_t)(b->mtimes_ns[i] / 1000000000);
+        times[0].tv_nsec = times[1].tv_nsec = (long)(b->mtimes_ns[i] % 1000000000);
+        if (fchmod(dst_fd, (mode_t)(b->modes[i] & 07777)) != 0 ||
+            futimens(dst_fd, times) != 0 || fsync(dst_fd) != 0) {
+            err = errno;
+            failed_fd = dst_fd;
+        }
+    }
+    if (err) {
+        b->errors[i] = err;
+        b->failed_side[i] = failed_fd == dst_fd;
+    } else {
+        b->size_after[i] = st.st_size;
+        b->mtime_ns_after[i] = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+    }
+    if (close(dst_fd) != 0 && !b->errors[i]) {
+        b->errors[i] = errno;
+        b->failed_side[i] = 1;
+    }
+    close(src_fd);
+}
+
+static void *file_batch_worker(void *arg)
+{
+    struct file_batch *b = arg;
+    void *buf = NULL;
+    if (posix_memalign(&buf, ALIGNMENT, b->buf_size) != 0)
+        buf = NULL; /* bbio_copy_range then allocates its own */
+    for (;;) {
+        int64_t i = __atomic_fetch_add(&b->next, 1, __ATOMIC_RELAXED);
+        if (i >= b->count)
+            break;
+        copy_one_file(b, i, buf);
+    }
+    free(buf);
+    return NULL;
+}
+
+int bbio_copy_files(const char *const *src, const char *const *dst, int64_t count,
+                    int nthreads, size_t buf_size, int flags,
+                    const uint32_t *modes, const int64_t *mtimes_ns, int64_t *copied,
+                    uint32_t *crcs, int *errors, int *failed_side,
+                    int64_t *size_after, int64_t *mtime_ns_after)
+{
+    struct file_batch b = {src, dst, count,
+                           buf_size < ALIGNMENT ? DEFAULT_BUFFER_SIZE : buf_size,
+                           flags, mtimes_ns ? modes : NULL, modes ? mtimes_ns : NULL,
+                           copied, crcs, errors, failed_side, size_after,
+                           mtime_ns_after, 0};
+    if (count < 0)
+        return EINVAL;
+    run_workers(file_batch_worker, &b, nthreads, count);
+    return 0;
+}
+
 /* ------------------------------------------------------------ batched reads */
 
 struct batch {
@@ -569,23 +691,9 @@ int bbio_pread_batch(const int *fds, const int64_t *offsets,
     *failures = 0;
     if (count < 0)
         return EINVAL;
-    if (nthreads < 1)
-        nthreads = 1;
-    if ((int64_t)nthreads > count)
-        nthreads = (int)count;
-    pthread_t *threads = NULL;
-    int started = 0;
-    if (nthreads > 1) {
-        threads = calloc((size_t)nthreads - 1, sizeof(*threads));
-        /* If memory or threads run short, the calling thread does the rest. */
-        for (; threads && started < nthreads - 1; started++)
-            if (pthread_create(&threads[started], NULL, batch_worker, &b) != 0)
-                break;
-    }
-    batch_worker(&b);
-    for (int t = 0; t < started; t++)
-        pthread_join(threads[t], NULL);
-    free(threads);
+    run_workers(batch_worker, &b, nthreads, count);
     *failures = b.failures;
     return 0;
 }
+
+

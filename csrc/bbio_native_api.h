@@ -29,6 +29,19 @@ int bbio_copy_range(int src_fd, int dst_fd, int64_t src_off, int64_t dst_off,
 #define BBIO_COPY_CRC 1
 #define BBIO_COPY_NO_COPY_FILE_RANGE 2
 
+/* Copy count whole files, nthreads at a time: src[i] into dst[i] (created
+ * or truncated, mode 0600), CRC32C in the same pass when BBIO_COPY_CRC.
+ * IN  modes, mtimes_ns (both NULL, or both set): then each copy is sealed
+ *     once written: chmod modes[i], mtime mtimes_ns[i], fsync.
+ * OUT copied[i], crcs[i]; errors[i]: 0 or errno, failed_side[i]: 0 source,
+ *     1 destination; size_after[i], mtime_ns_after[i]: the source's fstat
+ *     once copied (to detect a file that changed meanwhile). */
+int bbio_copy_files(const char *const *src, const char *const *dst, int64_t count,
+                    int nthreads, size_t buf_size, int flags,
+                    const uint32_t *modes, const int64_t *mtimes_ns, int64_t *copied,
+                    uint32_t *crcs, int *errors, int *failed_side,
+                    int64_t *size_after, int64_t *mtime_ns_after);
+
 /* Batched positional reads: request i reads lengths[i] bytes of fds[i] at
  * offsets[i] into out + out_offsets[i].  nthreads threads keep requests in
  * flight.  OUT results[i]: bytes read (less than lengths[i] only at end of

@@ -323,3 +323,31 @@ def test_large_copy_asked_beyond_end_of_file_stops_at_the_end(tmp_path):
     native, reference = _copy_both(tmp_path, data, length=20 << 20)
     assert native == reference
     assert native[0] == len(data)
+
+
+def test_copy_files_matches_reference_reports_errors_and_seals(tmp_path):
+    sizes = [0, 1, 4095, 4097, (9 << 20) + 3]
+    sources, destinations, datas = [], [], []
+    for i, size in enumerate(sizes):
+        datas.append(random_bytes(size, seed=i))
+        sources.append(write_file(tmp_path / f"src{i}", datas[-1]))
+        destinations.append(tmp_path / f"dst{i}")
+    sources.append(tmp_path / "missing")
+    destinations.append(tmp_path / "dst-missing")
+    sources.append(sources[0])
+    destinations.append(tmp_path / "no-such-dir" / "dst")
+    modes = [0o640] * len(sources)
+    mtimes = [1_500_000_000_000_000_007 + i for i in range(len(sources))]
+    results = _native.copy_files(sources, destinations, threads=3, modes=modes, mtimes_ns=mtimes)
+    for i, data in enumerate(datas):
+        assert results[i].error is None
+        assert destinations[i].read_bytes() == data
+        assert results[i].nbytes == results[i].size_after == len(data)
+        assert results[i].crc32c == ref.crc32c(data)
+        st = destinations[i].stat()
+        assert (st.st_mode & 0o777, st.st_mtime_ns) == (0o640, mtimes[i])
+    missing, unwritable = results[-2], results[-1]
+    assert isinstance(missing.error, NotFoundError)
+    assert missing.error.filename == str(sources[-2])
+    assert isinstance(unwritable.error, NotFoundError)
+    assert unwritable.error.filename == str(destinations[-1])

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +33,11 @@ from bbio.transfer.files import PieceResult, copy_piece, temp_path
 from bbio.transfer.manifest import Entry
 
 PieceKey = tuple[str, int]
+# A batch of whole files handed to the native batched copy: about this many
+# bytes, each file counting for BATCH_FILE_BYTES more (so batches of tiny files
+# stay short enough for progress reports).
+BATCH_BYTES = 64 << 20
+BATCH_FILE_BYTES = 256 << 10
 
 
 @dataclasses.dataclass
@@ -40,6 +46,43 @@ class Outcome:
 
     pieces: dict[PieceKey, PieceResult] = dataclasses.field(default_factory=dict)
     source_bytes_read: int = 0
+    sealed: set[str] = dataclasses.field(default_factory=set)  # mode, mtime set and fsynced
+
+
+def whole_file(piece: Piece, entry: Entry) -> bool:
+    """True if ``piece`` is all of its file (copied by one rank, in a batch)."""
+    return piece.offset == 0 and piece.length == entry.size
+
+
+def _copy_whole_files(
+    pieces: Sequence[Piece],
+    entries: Mapping[str, Entry],
+    src_root: Path,
+    dst_root: Path,
+    outcome: Outcome,
+    threads: int,
+    buffer_size: int,
+) -> None:
+    results = _native.copy_files(
+        [src_root / p.path for p in pieces],
+        [temp_path(dst_root / p.path) for p in pieces],
+        threads=threads,
+        buffer_size=buffer_size,
+        modes=[entries[p.path].mode for p in pieces],
+        mtimes_ns=[entries[p.path].mtime_ns for p in pieces],
+    )
+    for piece, result in zip(pieces, results, strict=True):
+        if result.error is not None:
+            raise result.error
+        entry = entries[piece.path]
+        changed = (
+            result.nbytes != entry.size
+            or result.size_after != entry.size
+            or result.mtime_ns_after != entry.mtime_ns
+        )
+        outcome.pieces[(piece.path, 0)] = PieceResult(result.nbytes, result.crc32c, changed)
+        outcome.source_bytes_read += result.nbytes
+        outcome.sealed.add(piece.path)
 
 
 def copy_direct(
@@ -50,10 +93,23 @@ def copy_direct(
     dst_root: Path,
     progress: Progress,
     buffer_size: int,
+    threads: int,
 ) -> Outcome:
-    """Collective over ``team_comm``: every rank copies ``pieces_by_rank[its rank]``."""
+    """Collective over ``team_comm``: every rank copies ``pieces_by_rank[its rank]``.
+
+    Whole small files go in batches to the native batched copy (``threads``
+    files in flight); pieces of large files are copied one by one into the
+    temporary files their owners prepared.
+    """
     outcome = Outcome()
-    for piece in pieces_by_rank[team_comm.Get_rank()]:
+    mine = pieces_by_rank[team_comm.Get_rank()]
+    whole = [p for p in mine if whole_file(p, entries[p.path])]
+    partial = [p for p in mine if not whole_file(p, entries[p.path])]
+    for batch in group_by_size(whole, BATCH_BYTES, lambda p: p.length + BATCH_FILE_BYTES):
+        _copy_whole_files(batch, entries, src_root, dst_root, outcome, threads, buffer_size)
+        progress.add(sum(p.length for p in batch), len(batch))
+        progress.update()
+    for piece in partial:
         entry = entries[piece.path]
         result = copy_piece(
             src_root / piece.path,
@@ -92,6 +148,32 @@ def make_columns(comm, node: int, node_rank: int, node_size: int) -> Columns:
     return Columns(None if column == MPI.COMM_NULL else column, count, node_rank, node)
 
 
+def _open_all(root: Path, paths: Iterable[str], threads: int) -> dict[str, int]:
+    """Open ``paths`` for reading, ``threads`` at a time (opens are slow on a PFS)."""
+    paths = list(paths)
+    fds: dict[str, int] = {}
+
+    def open_one(path: str) -> tuple[str, int | BaseException]:
+        try:
+            return path, os.open(root / path, os.O_RDONLY)
+        except OSError as exc:
+            return path, from_oserror(exc, "open for reading", root / path)
+
+    with ThreadPoolExecutor(max(1, min(threads, len(paths)))) as pool:
+        opened = list(pool.map(open_one, paths))
+    problem = None
+    for path, result in opened:
+        if isinstance(result, int):
+            fds[path] = result
+        elif problem is None:
+            problem = result
+    if problem is not None:
+        for fd in fds.values():
+            os.close(fd)
+        raise problem
+    return fds
+
+
 def _read_round(
     pieces: Sequence[Piece], entries: Mapping[str, Entry], src_root: Path, threads: int
 ) -> tuple[np.ndarray, list[int], list[bool]]:
@@ -100,12 +182,7 @@ def _read_round(
     buffer = np.zeros(sum(lengths), dtype=np.uint8)
     fds: dict[str, int] = {}
     try:
-        for p in pieces:
-            if p.path not in fds:
-                try:
-                    fds[p.path] = os.open(src_root / p.path, os.O_RDONLY)
-                except OSError as exc:
-                    raise from_oserror(exc, "open for reading", src_root / p.path) from None
+        fds.update(_open_all(src_root, dict.fromkeys(p.path for p in pieces), threads))
         got = _native.pread_batch(
             [fds[p.path] for p in pieces],
             [p.offset for p in pieces],

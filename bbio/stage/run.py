@@ -191,7 +191,7 @@ def _commit_node(
         for (path, offset), result in part.items():
             pieces_of.setdefault(path, []).append((offset, result))
     me = node_comm.Get_rank()
-    crcs, changed, touched = {}, set(), []
+    crcs, changed, ready, sealed = {}, set(), [], []
     for entry in todo:
         if entry.kind != FILE or owner.get(entry.path) != me:
             continue
@@ -204,10 +204,12 @@ def _commit_node(
         if moved or size != entry.size:
             changed.add(entry.path)
             continue
-        files.commit(dst_root / entry.path, entry.mode, entry.mtime_ns)
+        if entry.path in outcome.sealed:
+            sealed.append(dst_root / entry.path)
+        else:
+            ready.append(files.Commit(dst_root / entry.path, entry.mode, entry.mtime_ns))
         crcs[entry.path] = crc
-        touched.append((dst_root / entry.path).parent)
-    files.fsync_dirs(touched)
+    files.commit(ready, sealed)
     return crcs, changed
 
 
@@ -252,7 +254,7 @@ def _copy_loop(
         with agreed(comm, f"{label}: preparing temporary files"):
             me = topo.node_comm.Get_rank()
             for e in node_files:
-                if owner[e.path] == me:
+                if owner[e.path] == me and (broadcast or e.size > config.chunk_size):
                     files.prepare(dst_root / e.path, e.size)
         progress = Progress(comm, label, total, total_files, config.progress)
         outcome = Outcome()
@@ -279,6 +281,7 @@ def _copy_loop(
                     dst_root,
                     progress,
                     config.copy_buffer_size,
+                    config.io_threads,
                 )
         if broadcast and columns.comm is not None:
             columns.comm.Free()
