@@ -1,16 +1,21 @@
 """The main job: ``mpirun -n 4 python -m bbio.demo`` (what ``make demo`` runs).
 
 With built-in defaults it puts a "PFS" and per-node "BB" directories under
-``work/demo`` in the current directory, splits the 4 ranks into 2 virtual
-nodes, generates a small dataset on the PFS, copies it into every node's BB
-with the native copy (CRC32C in the same pass), verifies every copy by
-re-reading it, and prints a report.
+``work/demo`` in the current directory and splits the 4 ranks into 2 virtual
+nodes.  Then it:
+
+1. generates a dataset of small sample files on the PFS;
+2. packs them into a few HDF5 shards (``bbio pack``);
+3. stages the packed dataset into every node's BB (``bbio stage-in``,
+   replicate mode, verified by re-reading);
+
+and prints a report: one table per step, then a summary.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import dataclasses
 import shutil
 import sys
 import time
@@ -18,18 +23,19 @@ from pathlib import Path
 
 import numpy as np
 
-from bbio import _native
 from bbio.config import Config, load_config
-from bbio.mpi import Topology, abort_on_error, agreed, topology
+from bbio.mpi import abort_on_error, agreed
 from bbio.report import format_bytes, format_table
+from bbio.stage.pack import pack
+from bbio.stage.run import stage_in
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The demo's options; every one has a built-in default."""
     parser = argparse.ArgumentParser(prog="python -m bbio.demo", description=__doc__)
     parser.add_argument("--root", default="work/demo", help="where the PFS and BB directories go")
-    parser.add_argument("--files", type=int, default=64, help="files in the generated dataset")
-    parser.add_argument("--file-size", type=int, default=256 << 10, help="mean bytes per file")
+    parser.add_argument("--samples", type=int, default=512, help="sample files in the dataset")
+    parser.add_argument("--sample-size", type=int, default=32 << 10, help="bytes per sample")
     parser.add_argument(
         "--ranks-per-node",
         type=int,
@@ -49,114 +55,92 @@ def demo_config(args: argparse.Namespace) -> Config:
         bb_root=args.bb_root or str(root / "bb" / "node{node}"),
         pfs_root=str(root / "pfs"),
         ranks_per_node=args.ranks_per_node or None,
+        progress="never",
     )
 
 
-def generate_dataset(directory: Path, files: int, mean_size: int, seed: int = 0) -> dict[str, int]:
-    """Write ``files`` random files of varied sizes; return {name: CRC32C}.  Not collective."""
+def generate_samples(directory: Path, samples: int, size: int, seed: int = 0) -> None:
+    """Write ``samples`` files of ``size`` random bytes, sample_00000.bin ... .  Not collective."""
     if directory.exists():
         shutil.rmtree(directory)
     directory.mkdir(parents=True)
     rng = np.random.default_rng(seed)
-    crcs = {}
-    for i in range(files):
-        size = int(rng.integers(0, 2 * mean_size))
-        data = rng.integers(0, 256, size, dtype=np.uint8)
-        name = f"sample_{i:05d}.bin"
-        data.tofile(directory / name)
-        crcs[name] = _native.crc32c(data)
-    return crcs
+    for i in range(samples):
+        rng.integers(0, 256, size, dtype=np.uint8).tofile(directory / f"sample_{i:05d}.bin")
 
 
-def copy_to_node(
-    topo: Topology, src: Path, dst: Path, names: list[str], expected: dict[str, int]
-) -> tuple[int, int, float, int]:
-    """Collective over ``topo.comm``: the ranks of each node split the files and copy them.
+@dataclasses.dataclass
+class Step:
+    """One line of the final summary."""
 
-    Returns this rank's (files, bytes, seconds, mismatches); a mismatch is a
-    copy whose CRC32C differs from the source's.
-    """
-    node_rank, node_size = topo.node_comm.Get_rank(), topo.node_comm.Get_size()
-    mine = names[node_rank::node_size]
-    copied = mismatches = 0
-    with agreed(topo.comm, "creating the BB directories"):
-        dst.mkdir(parents=True, exist_ok=True)
-    topo.comm.Barrier()
-    start = time.perf_counter()
-    for name in mine:
-        result = _native.copy_file(src / name, dst / name, checksum=True)
-        copied += result.nbytes
-        mismatches += result.crc32c != expected[name]
-    seconds = time.perf_counter() - start
-    return len(mine), copied, seconds, mismatches
-
-
-def verify_node(dst: Path, names: list[str], expected: dict[str, int], node_comm) -> int:
-    """Collective over ``node_comm``: re-read this node's copies; count CRC32C mismatches."""
-    mine = names[node_comm.Get_rank() :: node_comm.Get_size()]
-    bad = 0
-    for name in mine:
-        data = np.fromfile(dst / name, dtype=np.uint8)
-        bad += _native.crc32c(data) != expected[name]
-    return node_comm.allreduce(bad)
+    name: str
+    result: str
+    seconds: float
 
 
 def run(comm, args: argparse.Namespace) -> int:
-    """Collective over ``comm``: the whole demo; returns the exit status (0: verified)."""
+    """Collective over ``comm``: the whole demo; returns the exit status (0: all verified)."""
     config = demo_config(args)
-    topo = topology(comm, config.ranks_per_node)
-    pfs = config.pfs_dir() / "dataset"
-    expected: dict[str, int] = {}
+    pfs = config.pfs_dir()
+    steps: list[Step] = []
+    rank0 = comm.Get_rank() == 0
+
+    start = time.monotonic()
     with agreed(comm, "generating the dataset"):
-        if comm.Get_rank() == 0:
-            expected = generate_dataset(pfs, args.files, args.file_size)
-    expected = comm.bcast(expected, root=0)
-    names = sorted(expected)
-    bb = config.bb_dir(topo.node) / "dataset"
-    stats = None
-    with agreed(comm, "copying the dataset into the burst buffers"):
-        stats = copy_to_node(topo, pfs, bb, names, expected)
-    bad = verify_node(bb, names, expected, topo.node_comm)
-    per_rank = comm.gather((topo.node, *stats, bad), root=0)
-    if comm.Get_rank() == 0:
-        print(report(config, topo, per_rank, sum(os.path.getsize(pfs / n) for n in names)))
-    topo.free()
-    return 0 if comm.allreduce(bad + stats[3]) == 0 else 1
-
-
-def report(config: Config, topo: Topology, per_rank: list[tuple], dataset_bytes: int) -> str:
-    """The final table: one row per node, then the totals."""
-    rows = []
-    for node in range(topo.nodes):
-        mine = [r for r in per_rank if r[0] == node]
-        files = sum(r[1] for r in mine)
-        nbytes = sum(r[2] for r in mine)
-        seconds = max(r[3] for r in mine)
-        bad = mine[0][5] + sum(r[4] for r in mine)
-        rows.append(
-            (
-                node,
-                str(config.bb_dir(node)),
-                files,
-                format_bytes(nbytes),
-                f"{nbytes / seconds / 1e9:.2f}" if seconds else "-",
-                "yes" if bad == 0 else f"NO ({bad} bad)",
-            )
+        if rank0:
+            generate_samples(pfs / "samples", args.samples, args.sample_size)
+    dataset_bytes = args.samples * args.sample_size
+    steps.append(
+        Step(
+            "generate",
+            f"{args.samples} samples, {format_bytes(dataset_bytes)} on the PFS",
+            time.monotonic() - start,
         )
-    table = format_table(["node", "burst buffer", "files", "bytes", "GB/s", "verified"], rows)
-    ok = all(row[-1] == "yes" for row in rows)
-    lines = [
-        "",
-        f"bbio demo: {topo.comm.Get_size()} ranks in {topo.nodes} "
-        f"{'virtual ' if topo.virtual else ''}nodes, "
-        f"dataset {format_bytes(dataset_bytes)} on the PFS ({config.pfs_dir()})",
-        "",
-        "Copy to every node's burst buffer (native copy, CRC32C in the same pass):",
-        table,
-        "",
-        "RESULT: " + ("every copy verified by CRC32C" if ok else "VERIFICATION FAILED"),
-    ]
-    return "\n".join(lines)
+    )
+
+    packed = pack(comm, pfs / "samples", pfs / "packed", shard_size=4 << 20, config=config)
+    steps.append(
+        Step("pack", f"{packed.samples} samples into {packed.shards} HDF5 shards", packed.seconds)
+    )
+
+    staged = stage_in(
+        comm,
+        pfs / "packed",
+        f"{config.bb_root}/packed",
+        mode="replicate",
+        verify=True,
+        config=config,
+    )
+    steps.append(
+        Step(
+            "stage-in",
+            f"replicated to {staged.nodes} nodes, {format_bytes(staged.source_bytes_read)} read "
+            f"from the PFS, verified: {'yes' if staged.verified else 'no'}",
+            staged.seconds,
+        )
+    )
+    if rank0:
+        print(report(comm, config, staged.nodes, staged.report(), steps))
+    return 0 if staged.verified else 1
+
+
+def report(comm, config: Config, nodes: int, stage_table: str, steps: list[Step]) -> str:
+    """The final report: the stage-in summary, then one row per step."""
+    summary = format_table(
+        ["step", "result", "seconds"], [(s.name, s.result, f"{s.seconds:.2f}") for s in steps]
+    )
+    bbs = ", ".join(str(config.bb_dir(n)) for n in range(nodes))
+    return "\n".join(
+        [
+            "",
+            f"bbio demo: {comm.Get_size()} ranks in {nodes} nodes; PFS {config.pfs_dir()}; "
+            f"burst buffers {bbs}",
+            "",
+            stage_table,
+            "",
+            summary,
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
