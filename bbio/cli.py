@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 from bbio._version import __version__
 from bbio.config import load_config
@@ -225,10 +229,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LAUNCHER_RANK_VARIABLES = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "SLURM_PROCID")
+
+
+def launched_rank() -> int:
+    """This process's rank as its launcher (mpirun, srun) set it; 0 when not launched."""
+    for name in LAUNCHER_RANK_VARIABLES:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``bbio`` command."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # Usage errors are the same on every rank: only the first rank prints them.
+    quiet = contextlib.redirect_stderr(io.StringIO()) if launched_rank() > 0 else nullcontext()
+    with quiet:
+        args = parser.parse_args(argv)
     if not getattr(args, "run", None):
         parser.print_help()
         return 2

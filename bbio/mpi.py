@@ -111,21 +111,23 @@ def _describe(exc: BaseException) -> tuple[str, str]:
     return type(exc).__name__, str(exc)
 
 
-def agreed_error(failures: list[tuple[int, str, str]], what: str) -> BBIOError:
-    """The one error every rank raises for ``failures`` [(rank, class, message)].
+def agreed_error(failures: list[tuple[int, str, str]], what: str, size: int) -> BBIOError:
+    """The one error every rank raises for ``failures`` [(rank, class, message)] of ``size`` ranks.
 
     The lowest failing rank's error is kept, with its class when that is a
-    bbio error class; other exceptions become :class:`CollectiveError`.
+    bbio error class; other exceptions become :class:`CollectiveError`.  When
+    every rank failed alike, no rank is singled out.
     """
     rank, cls_name, message = failures[0]
-    others = ""
-    if len(failures) > 1:
-        more = ", ".join(str(r) for r, _, _ in failures[1:])
-        others = f" (ranks {more} failed too)"
+    if len(failures) == size and all(f[1:] == failures[0][1:] for f in failures):
+        where = ""
+    else:
+        others = ", ".join(str(r) for r, _, _ in failures[1:])
+        where = f" on rank {rank}" + (f" (ranks {others} failed too)" if others else "")
     cls = CLASSES_BY_NAME.get(cls_name)
     if cls is None:
-        return CollectiveError(f"{what} failed on rank {rank}: {cls_name}: {message}{others}")
-    return cls(f"{what} failed on rank {rank}: {message}{others}")
+        return CollectiveError(f"{what} failed{where}: {cls_name}: {message}")
+    return cls(f"{what} failed{where}: {message}")
 
 
 @contextmanager
@@ -147,7 +149,7 @@ def agreed(comm, what: str) -> Iterator[None]:
     outcomes = comm.allgather(outcome)
     failures = [(r, *o) for r, o in enumerate(outcomes) if o is not None]
     if failures:
-        raise agreed_error(failures, what) from local
+        raise agreed_error(failures, what, comm.Get_size()) from local
 
 
 def wait_all_ranks(comm, timeout: float, what: str) -> None:

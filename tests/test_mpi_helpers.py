@@ -62,10 +62,17 @@ def test_foreign_exceptions_become_collective_errors(comm):
         if comm.Get_rank() >= 1:
             raise KeyError("sample 7")
     message = str(info.value)
-    assert message.startswith("planning failed on rank 1: KeyError: 'sample 7'")
+    assert message.startswith("planning failed on rank 1")
+    assert message.endswith(": KeyError: 'sample 7'")
     if comm.Get_size() > 2:
         assert "(ranks 2" in message
     assert comm.allgather(message) == [message] * comm.Get_size()
+
+
+def test_the_same_failure_on_every_rank_names_no_rank(comm):
+    with pytest.raises(bbio.ConfigError) as info, agreed(comm, "reading settings"):
+        raise bbio.ConfigError("bad value")
+    assert str(info.value) == "reading settings failed: bad value"
 
 
 def test_agreed_passes_when_all_succeed(comm):

@@ -130,6 +130,20 @@ def test_rerun_copies_only_what_changed(comm, shared_tmp, tree):
         assert (shared_tmp / "bb" / str(node) / "data/many/s007.bin").read_bytes() == b"new content"
 
 
+def test_leftovers_of_an_interrupted_run_are_removed(comm, shared_tmp, tree):
+    src, contents = tree
+    config = two_nodes(comm, shared_tmp)
+    stale = [shared_tmp / "bb" / str(n) / "l" / "many" / ".gone.bin.bbio-part" for n in (0, 1)]
+    if comm.Get_rank() == 0:
+        for path in stale:
+            path.parent.mkdir(parents=True)
+            path.write_bytes(b"half of a file that is no longer wanted")
+    comm.Barrier()
+    bbio.stage_in(comm, src, shared_tmp / "bb" / "{node}" / "l", config=config)
+    assert not any(path.exists() for path in stale)
+    assert files_under(shared_tmp / "bb" / "1" / "l") == contents
+
+
 def test_shard_puts_each_file_on_one_node(comm, shared_tmp, tree):
     src, contents = tree
     config = two_nodes(comm, shared_tmp)

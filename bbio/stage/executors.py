@@ -244,6 +244,7 @@ def _write_pieces(
             raise from_oserror(exc, "write", target) from None
         outcome.pieces[(p.path, p.offset)] = PieceResult(p.length, crc, moved)
         progress.add(p.length, int(p.offset == 0))
+        progress.update()
 
 
 def copy_broadcast(

@@ -135,6 +135,25 @@ def _check_capacity(root: Path, needed: int, node: int | None) -> None:
         )
 
 
+def remove_leftovers(comm, root: Path, dirs: Sequence[Entry]) -> int:
+    """Collective over ``comm``: delete temporary files an interrupted run left under ``root``.
+
+    Looks in ``root`` and the tree's directories (dealt out over the ranks);
+    returns how many were removed.  Frees their space before the capacity check.
+    """
+    removed = 0
+    for rel in deal(["", *(d.path for d in dirs)], comm):
+        try:
+            with os.scandir(root / rel) as it:
+                leftovers = [e.path for e in it if files.is_temp_name(e.name) and not e.is_dir()]
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for path in leftovers:
+            os.unlink(path)
+        removed += len(leftovers)
+    return sum_over_ranks(comm, removed)[0]
+
+
 def _make_dirs(root: Path, dirs: Iterable[Entry]) -> None:
     root.mkdir(parents=True, exist_ok=True)
     for d in dirs:
@@ -434,6 +453,8 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     dirs = [e for e in mine if e.kind == DIR]
     current = dest_state(topo.node_comm, dst_root, [e.path for e in mine])
     todo = plan.to_copy(mine, current)
+    with agreed(comm, "stage-in: removing what an interrupted run left"):
+        remove_leftovers(topo.node_comm, dst_root, dirs)
     with agreed(comm, "stage-in: checking burst-buffer space"):
         if topo.is_leader:
             _check_capacity(dst_root, plan.bytes_needed(todo), topo.node)
@@ -610,6 +631,8 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
     )
     current = dest_state(comm, dst_root, [e.path for e in everything])
     todo_all = plan.to_copy(everything, current)
+    with agreed(comm, "stage-out: removing what an interrupted run left"):
+        remove_leftovers(comm, dst_root, dirs)
     mine = [e for e in todo_all if chosen[e.path] == topo.node]
     with agreed(comm, "stage-out: checking space and creating directories"):
         if comm.Get_rank() == 0:
