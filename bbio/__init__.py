@@ -22,6 +22,8 @@ from bbio.errors import (
     PermissionDeniedError,
     UsageError,
 )
+from bbio.read.datasets import Dataset, ReadStats, open_dataset
+from bbio.read.loader import Loader
 from bbio.stage.pack import PackSummary, pack
 from bbio.stage.run import StageSummary, stage_in, stage_out
 from bbio.stage.verify import VerifyReport, verify
@@ -33,20 +35,24 @@ __all__ = [
     "CollectiveError",
     "Config",
     "ConfigError",
+    "Dataset",
     "DependencyError",
     "IOFailure",
     "IntegrityError",
     "IsDirectoryError",
+    "Loader",
     "NoSpaceError",
     "NotDirectoryError",
     "NotFoundError",
     "PackSummary",
     "PermissionDeniedError",
+    "ReadStats",
     "StageSummary",
     "UsageError",
     "VerifyReport",
     "__version__",
     "load_config",
+    "open_dataset",
     "pack",
     "stage_in",
     "stage_out",

@@ -28,8 +28,10 @@ SITE_CONFIG_FILE = Path("/etc/bbio/bbio.toml")
 ENV_PREFIX = "BBIO_"
 
 
-def _setting(default: Any, help: str, choices: tuple[str, ...] = ()) -> Any:
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def _setting(default: Any, help: str, choices: tuple[str, ...] = (), minimum: int = 1) -> Any:
+    return dataclasses.field(
+        default=default, metadata={"help": help, "choices": choices, "minimum": minimum}
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +65,22 @@ class Config:
     )
     chunk_size: int = _setting(
         64 << 20, "Staging splits files larger than this into pieces copied by different ranks."
+    )
+    aggregators_per_node: int = _setting(
+        1, "Collective reads: ranks per node that read for everyone (the lowest node ranks)."
+    )
+    stripe_size: int | None = _setting(
+        None,
+        "Collective reads: file domains are aligned to this many bytes.  Unset: the Lustre "
+        "stripe size where it can be read, else the file system's block size.",
+    )
+    read_max_hole: int = _setting(
+        64 << 10,
+        "Collective reads: merge two extents into one read if at most this far apart.",
+        minimum=0,
+    )
+    read_max_bytes: int = _setting(
+        16 << 20, "Collective reads: the largest single read (larger samples take several)."
     )
     replicate_round_bytes: int = _setting(
         64 << 20,
@@ -117,8 +135,9 @@ def _convert(name: str, raw: Any, source: str) -> Any:
                 f"{source}: {name} must be an integer, got {raw!r}",
                 hint=f"fix {name} in {source}",
             ) from None
-        if value < 1:
-            raise ConfigError(f"{source}: {name} must be at least 1, got {value}")
+        minimum = SETTINGS[name].metadata["minimum"]
+        if value < minimum:
+            raise ConfigError(f"{source}: {name} must be at least {minimum}, got {value}")
         return value
     if not isinstance(raw, str):
         raise ConfigError(f"{source}: {name} must be a string, got {raw!r}")

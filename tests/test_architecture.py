@@ -19,6 +19,9 @@ LAYERS = {
         "bbio.transfer.manifest",
         "bbio.stage",
         "bbio.stage.plan",
+        "bbio.read",
+        "bbio.read.plan",
+        "bbio.read.sampler",
     },
     "native": {"bbio._native"},
     "shell": {
@@ -31,6 +34,9 @@ LAYERS = {
         "bbio.stage.run",
         "bbio.stage.verify",
         "bbio.stage.pack",
+        "bbio.stage.registry",
+        "bbio.read.datasets",
+        "bbio.read.loader",
     },
     "entry": {
         "bbio.__main__",
@@ -39,6 +45,7 @@ LAYERS = {
         "bbio.bench",
         "bbio.bench.__main__",
         "bbio.bench.copy",
+        "bbio.bench.stage",
         "bbio.bench.plot",
     },
 }

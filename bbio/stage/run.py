@@ -30,7 +30,7 @@ from bbio.errors import (
 )
 from bbio.mpi import Topology, agreed, allgather_dict, deal, sum_over_ranks, topology
 from bbio.report import format_bytes, format_table
-from bbio.stage import plan
+from bbio.stage import plan, registry
 from bbio.stage.executors import Outcome, copy_broadcast, copy_direct, make_columns
 from bbio.stage.progress import Progress
 from bbio.stage.walk import Skipped, Tree, walk
@@ -521,6 +521,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
                     },
                 ),
             )
+            registry.record(config.bb_dir(topo.node), src, dst_root)
     seconds = comm.allreduce(time.monotonic() - start, op=_max())
     totals = sum_over_ranks(
         comm,

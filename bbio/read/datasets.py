@@ -1,0 +1,547 @@
+"""Datasets for collective reads, and the collective read itself.
+
+:func:`open_dataset` recognises four layouts and turns each into one extent
+table (sample -> file, offset, length):
+
+* a pack made by ``bbio pack`` (a directory with ``bbio-pack.json``);
+* an HDF5 file with one dataset of fixed-size samples along axis 0
+  (contiguous layout, no filters: its bytes are read with plain ``pread``);
+* a raw file of fixed-size records (``record_bytes`` or ``sample_shape`` + ``dtype``);
+* a directory of files, one sample per file, in path order.
+
+If the dataset's directory was staged into this node's burst buffer (the
+node's staging registry says so), its files are read there; in shard mode the
+node holding a file serves it.  Otherwise they are read from the PFS.
+
+:meth:`Dataset.read` is collective: every rank passes its own sample ids, the
+plan (:mod:`bbio.read.plan`) picks a few aggregator ranks that issue large
+merged reads with many requests in flight (native batched reads), and one
+``Alltoallv`` hands every rank its bytes, in the order it asked.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from bbio import _native
+from bbio.config import Config, load_config
+from bbio.errors import (
+    DependencyError,
+    IntegrityError,
+    NotFoundError,
+    UsageError,
+    from_oserror,
+)
+from bbio.mpi import agreed, topology
+from bbio.read.plan import Extents, ReadPlan, make_plan
+from bbio.stage import registry
+from bbio.stage.pack import INDEX_NAME, read_index
+from bbio.stage.walk import walk
+from bbio.transfer.files import read_manifest
+from bbio.transfer.manifest import FILE
+
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+@dataclasses.dataclass
+class ReadStats:
+    """Counters of one rank's collective reads (requests and bytes are summed over all ranks)."""
+
+    calls: int = 0
+    samples: int = 0
+    requests: int = 0
+    bytes_read: int = 0
+    bytes_needed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """What :func:`open_dataset` learned, the same on every rank."""
+
+    kind: str
+    files: list[str]  # PFS paths
+    file_sizes: list[int]
+    extents: Extents
+    sample_shape: tuple[int, ...] | None  # None: variable-size samples (bytes)
+    dtype: str | None
+
+
+def _stripe_size(path: str) -> int:
+    """Lustre's stripe size for ``path`` if it can be read, else the block size."""
+    try:
+        lov = os.getxattr(path, "lustre.lov")
+        size = int.from_bytes(lov[24:28], "little")
+        if size > 0:
+            return size
+    except OSError:
+        pass
+    try:
+        return os.stat(path).st_blksize or 4096
+    except OSError:
+        return 4096
+
+
+def _either(pfs: Path, staged: Path | None) -> Path:
+    """The staged copy when this node has it, else the PFS path."""
+    return staged if staged is not None and staged.exists() else pfs
+
+
+def _shard_arrays(path: Path, data_offset: int) -> tuple[np.ndarray, np.ndarray]:
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return (
+            np.asarray(f["offsets"][:], dtype=np.int64) + data_offset,
+            np.asarray(f["sizes"][:], dtype=np.int64),
+        )
+
+
+def _packed_layout(
+    comm, node: int, is_leader: bool, root: Path, staged: Path | None, config
+) -> Layout:
+    """Collective over ``comm``: a pack's extent table.
+
+    Each shard's index is read by a node that holds the shard in its burst
+    buffer when one does (so a staged pack needs no PFS access), else by rank 0
+    from the PFS.
+    """
+    has_index = staged is not None and (staged / INDEX_NAME).exists()
+    index_from = [r for r, ok in enumerate(comm.allgather(has_index and is_leader)) if ok]
+    shards = None
+    with agreed(comm, f"reading the pack index of {root}"):
+        if comm.Get_rank() == (index_from[0] if index_from else 0):
+            shards = read_index(staged if index_from else root)
+    shards = comm.bcast(shards, root=index_from[0] if index_from else 0)
+    files = [str(root / s.file) for s in shards]
+    local = _local_copies(config, node, files)
+    holders = comm.allgather(sorted(local) if is_leader else [])
+    reader = {}
+    for r, held in enumerate(holders):
+        for f in held:
+            reader.setdefault(f, r)
+    arrays = {}
+    with agreed(comm, f"reading the shard indexes of {root}"):
+        for i, shard in enumerate(shards):
+            if reader.get(i, 0) == comm.Get_rank():
+                arrays[i] = _shard_arrays(Path(local.get(i, files[i])), shard.data_offset)
+    merged: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for part in comm.allgather(arrays):
+        merged.update(part)
+    offsets = [merged[i][0] for i in range(len(shards))]
+    lengths = [merged[i][1] for i in range(len(shards))]
+    extents = Extents(
+        np.concatenate([np.full(o.size, i, np.int32) for i, o in enumerate(offsets)])
+        if shards
+        else np.zeros(0, np.int32),
+        np.concatenate(offsets) if shards else np.zeros(0, np.int64),
+        np.concatenate(lengths) if shards else np.zeros(0, np.int64),
+    )
+    return Layout("packed", files, [s.file_bytes for s in shards], extents, None, None)
+
+
+def _fixed_layout(
+    kind: str, path: Path, size: int, base: int, count: int, shape, dtype: np.dtype
+) -> Layout:
+    record = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    extents = Extents(
+        np.zeros(count, dtype=np.int32),
+        base + np.arange(count, dtype=np.int64) * record,
+        np.full(count, record, dtype=np.int64),
+    )
+    return Layout(kind, [str(path)], [size], extents, tuple(shape), dtype.str)
+
+
+def _hdf5_layout(path: Path, read_path: Path, dataset: str | None) -> Layout:
+    try:
+        import h5py
+    except ImportError as exc:
+        raise DependencyError("reading HDF5 datasets needs h5py", hint="run 'make setup'") from exc
+    with h5py.File(read_path, "r") as f:
+        names = []
+        f.visititems(
+            lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None
+        )
+        if dataset is None:
+            if len(names) != 1:
+                raise UsageError(
+                    f"the HDF5 file has {len(names)} datasets ({', '.join(names[:5])})",
+                    path=path,
+                    hint="pass dataset='NAME' to choose one",
+                )
+            dataset = names[0]
+        if dataset not in f:
+            raise NotFoundError(f"no dataset {dataset!r} in the HDF5 file", path=path)
+        dset = f[dataset]
+        layout = dset.id.get_create_plist().get_layout()
+        if layout != h5py.h5d.CONTIGUOUS or dset.compression or dset.id.get_offset() is None:
+            raise UsageError(
+                f"dataset {dataset!r} is chunked, compressed or not yet written",
+                path=path,
+                hint="collective reads need a contiguous dataset; copy it with "
+                "f.create_dataset(name, data=..., chunks=None)",
+            )
+        if dset.ndim < 1:
+            raise UsageError(f"dataset {dataset!r} is a scalar; samples go along axis 0", path=path)
+        return _fixed_layout(
+            "hdf5",
+            path,
+            os.path.getsize(read_path),
+            int(dset.id.get_offset()),
+            dset.shape[0],
+            dset.shape[1:],
+            dset.dtype,
+        )
+
+
+def _raw_layout(
+    path: Path, read_path: Path, record_bytes, sample_shape, dtype, header_bytes: int
+) -> Layout:
+    if sample_shape is None:
+        if not record_bytes:
+            raise UsageError(
+                "a raw file needs record_bytes=, or sample_shape= and dtype=", path=path
+            )
+        sample_shape, dtype = (int(record_bytes),), "u1"
+    dt = np.dtype(dtype or "u1")
+    record = int(np.prod(sample_shape, dtype=np.int64)) * dt.itemsize
+    size = os.path.getsize(read_path)
+    return _fixed_layout(
+        "raw", path, size, header_bytes, (size - header_bytes) // record, sample_shape, dt
+    )
+
+
+def _directory_layout(comm, root: Path, staged: Path | None) -> Layout:
+    manifest = read_manifest(staged) if staged is not None else None
+    if manifest is not None:
+        entries = [e for e in manifest.entries if e.kind == FILE]
+    else:
+        entries = walk(comm, root).files
+    return Layout(
+        "directory",
+        [str(root / e.path) for e in entries],
+        [e.size for e in entries],
+        Extents(
+            np.arange(len(entries), dtype=np.int32),
+            np.zeros(len(entries), dtype=np.int64),
+            np.array([e.size for e in entries], dtype=np.int64),
+        ),
+        None,
+        None,
+    )
+
+
+def _local_copies(config: Config, node: int, files: Sequence[str]) -> dict[int, str]:
+    """The files this node's burst buffer holds: {file index: local path}."""
+    found: dict[int, str] = {}
+    manifests: dict[Path, dict] = {}
+    bb_dir = config.bb_dir(node)
+    for i, name in enumerate(files):
+        hit = registry.lookup(bb_dir, Path(name))
+        if hit is None:
+            continue
+        source, destination = hit
+        if destination not in manifests:
+            manifest = read_manifest(destination)
+            manifests[destination] = manifest.by_path() if manifest else {}
+        rel = os.path.relpath(os.path.realpath(name), source)
+        entry = manifests[destination].get(rel)
+        local = destination / rel
+        if entry is not None and entry.node in (None, node) and local.exists():
+            found[i] = str(local)
+    return found
+
+
+def _staged_root(config: Config, node: int, path: Path) -> Path | None:
+    hit = registry.lookup(config.bb_dir(node), path)
+    if hit is None:
+        return None
+    source, destination = hit
+    return destination / os.path.relpath(os.path.realpath(path), source)
+
+
+class Dataset:
+    """A dataset opened collectively with :func:`open_dataset`.
+
+    ``read`` and ``close`` are collective over the communicator it was opened
+    with (bbio uses a private duplicate of it).  ``len(ds)`` is the number of
+    samples.
+    """
+
+    def __init__(self, comm, layout: Layout, local: dict[int, str], config: Config) -> None:
+        self.comm = comm
+        self.layout = layout
+        self.config = config
+        self.stats = ReadStats()
+        topo = topology(comm, config.ranks_per_node)
+        try:
+            self.rank_node = topo.node_of_rank()
+            node_rank = topo.node_comm.Get_rank()
+            self.node = topo.node
+            is_aggregator = node_rank < config.aggregators_per_node
+            self.aggregators = [r for r, flag in enumerate(comm.allgather(is_aggregator)) if flag]
+            holds = comm.allgather((topo.node, sorted(local)) if topo.is_leader else None)
+        finally:
+            topo.free()
+        holders: list[set[int]] = [set() for _ in layout.files]
+        for item in holds:
+            if item is not None:
+                for f in item[1]:
+                    holders[f].add(item[0])
+        self.holders = [frozenset(h) for h in holders]
+        self.local = local
+        self.stripe = config.stripe_size or comm.bcast(
+            _stripe_size(self._path(0)) if comm.Get_rank() == 0 and layout.files else 4096
+        )
+        self._fds: dict[int, int] = {}
+
+    def __len__(self) -> int:
+        return len(self.layout.extents)
+
+    @property
+    def fixed_size(self) -> bool:
+        """True when every sample has the same shape (reads return one array)."""
+        return self.layout.sample_shape is not None
+
+    def read(self, indices: Sequence[int] | np.ndarray):
+        """Collective: each rank passes its own sample ids and gets its samples in that order.
+
+        Returns an array of shape ``(len(indices), *sample_shape)`` for
+        fixed-size samples, else a list of uint8 arrays.  A rank may pass no
+        ids; ids may repeat.  An id out of range raises the same
+        :class:`UsageError` on every rank.
+        """
+        mine = np.asarray(indices, dtype=np.int64).reshape(-1)
+        return self.read_planned(self.comm.allgather(mine))
+
+    def read_planned(self, requests: Sequence[np.ndarray]):
+        """Collective: like :meth:`read`, with every rank's ids already known.
+
+        ``requests[r]`` holds rank r's ids (every rank passes the same list);
+        the :class:`Loader` uses this to skip exchanging requests.
+        """
+        comm = self.comm
+        rank = comm.Get_rank()
+        n = len(self)
+        for r, ids in enumerate(requests):
+            wrong = np.asarray(ids)[(np.asarray(ids) < 0) | (np.asarray(ids) >= n)]
+            if wrong.size:
+                raise UsageError(
+                    f"sample id {int(wrong[0])} (asked by rank {r}) is out of range: "
+                    f"the dataset has {n} samples",
+                    hint="ids go from 0 to len(dataset) - 1",
+                )
+        counts = [int(np.asarray(ids).size) for ids in requests]
+        plan = make_plan(
+            np.repeat(np.arange(len(requests)), counts),
+            np.concatenate([np.arange(c) for c in counts]) if sum(counts) else np.zeros(0),
+            np.concatenate([np.asarray(ids, dtype=np.int64) for ids in requests])
+            if sum(counts)
+            else np.zeros(0, dtype=np.int64),
+            self.layout.extents,
+            self.rank_node,
+            self.aggregators,
+            self.holders,
+            self.layout.file_sizes,
+            self.stripe,
+            self.config.read_max_hole,
+            self.config.read_max_bytes,
+        )
+        buffer = np.zeros(0, dtype=np.uint8)
+        with agreed(comm, "collective read"):
+            if rank in self.aggregators:
+                buffer = self._aggregate(plan, plan.aggregators.index(rank))
+        received = self._exchange(plan, buffer, rank)
+        self._count(plan, requests)
+        return self._assemble(plan, received, rank, counts[rank])
+
+    def _path(self, f: int) -> str:
+        return self.local.get(f, self.layout.files[f])
+
+    def _fd(self, f: int) -> int:
+        fd = self._fds.get(f)
+        if fd is None:
+            path = self._path(f)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise from_oserror(exc, "open the dataset file", path, node=self.node) from None
+            self._fds[f] = fd
+        return fd
+
+    def _aggregate(self, plan: ReadPlan, agg: int) -> np.ndarray:
+        mine = np.flatnonzero(plan.read_agg == agg)
+        buffer = np.empty(int(plan.read_length[mine].sum()), dtype=np.uint8)
+        files = plan.read_file[mine]
+        got = _native.pread_batch(
+            [self._fd(int(f)) for f in files],
+            plan.read_offset[mine],
+            plan.read_length[mine],
+            buffer,
+            plan.read_buf[mine],
+            threads=self.config.io_threads,
+            paths=[self._path(int(f)) for f in files],
+        )
+        short = np.flatnonzero(got != plan.read_length[mine])
+        if short.size:
+            f = int(files[short[0]])
+            raise IntegrityError(
+                f"the file is shorter than the dataset says ({short.size} short reads)",
+                path=self._path(f),
+                node=self.node,
+                hint="the dataset changed after it was opened; open it again",
+            )
+        return buffer
+
+    def _exchange(self, plan: ReadPlan, buffer: np.ndarray, rank: int) -> np.ndarray:
+        from mpi4py import MPI
+
+        size = self.comm.Get_size()
+        agg = plan.aggregators.index(rank) if rank in plan.aggregators else -1
+        send_counts = np.zeros(size, dtype=np.int64)
+        chunks = []
+        if agg >= 0:
+            mine = np.flatnonzero(plan.req_agg == agg)
+            mine = mine[np.lexsort((plan.req_pos[mine], plan.req_rank[mine]))]
+            for i in mine.tolist():
+                start = int(plan.req_buf[i])
+                chunks.append(buffer[start : start + int(plan.req_length[i])])
+            np.add.at(send_counts, plan.req_rank[mine], plan.req_length[mine])
+        send = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
+        recv_counts = np.zeros(size, dtype=np.int64)
+        asked = np.flatnonzero(plan.req_rank == rank)
+        sources = np.asarray(plan.aggregators, dtype=np.int64)[plan.req_agg[asked]]
+        np.add.at(recv_counts, sources, plan.req_length[asked])
+        received = np.empty(int(recv_counts.sum()), dtype=np.uint8)
+        self.comm.Alltoallv(
+            [send, (send_counts, _displs(send_counts)), MPI.BYTE],
+            [received, (recv_counts, _displs(recv_counts)), MPI.BYTE],
+        )
+        return received
+
+    def _assemble(self, plan: ReadPlan, received: np.ndarray, rank: int, count: int):
+        asked = np.flatnonzero(plan.req_rank == rank)
+        sources = np.asarray(plan.aggregators, dtype=np.int64)[plan.req_agg[asked]]
+        order = asked[np.lexsort((plan.req_pos[asked], sources))]
+        positions = plan.req_pos[order]
+        lengths = plan.req_length[order]
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if order.size else lengths
+        if self.fixed_size:
+            out = np.empty((count, *self.layout.sample_shape), dtype=np.dtype(self.layout.dtype))
+            flat = out.reshape(count, -1).view(np.uint8)
+            for pos, start, length in zip(positions, starts, lengths, strict=True):
+                flat[pos] = received[start : start + length]
+            return out
+        samples: list[np.ndarray] = [np.zeros(0, dtype=np.uint8)] * count
+        for pos, start, length in zip(
+            positions.tolist(), starts.tolist(), lengths.tolist(), strict=True
+        ):
+            samples[pos] = received[start : start + length]
+        return samples
+
+    def _count(self, plan: ReadPlan, requests: Sequence[np.ndarray]) -> None:
+        ids = np.unique(np.concatenate([np.asarray(r, dtype=np.int64) for r in requests]))
+        self.stats.calls += 1
+        self.stats.samples += int(sum(np.asarray(r).size for r in requests))
+        self.stats.requests += plan.requests_issued
+        self.stats.bytes_read += plan.bytes_read
+        self.stats.bytes_needed += int(self.layout.extents.length[ids].sum()) if ids.size else 0
+
+    def close(self) -> None:
+        """Collective: close the files and free the communicator."""
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+        self.comm.Free()
+
+    def __enter__(self) -> Dataset:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _displs(counts: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+
+
+def open_dataset(
+    comm,
+    path: str | os.PathLike,
+    *,
+    dataset: str | None = None,
+    record_bytes: int | None = None,
+    sample_shape: Sequence[int] | None = None,
+    dtype: str | np.dtype | None = None,
+    header_bytes: int = 0,
+    config: Config | None = None,
+) -> Dataset:
+    """Collective over ``comm``: open ``path`` for collective reads.
+
+    ``path`` (on the PFS) is a pack made by ``bbio pack``, an HDF5 file
+    (``dataset=`` names the dataset when there are several), a raw file of
+    fixed-size records (``record_bytes=``, or ``sample_shape=`` and
+    ``dtype=``, after ``header_bytes``), or a directory of files (one sample
+    per file).  Files staged into this node's burst buffer are read there.
+    Errors (missing path, unsupported layout) are raised alike on every rank.
+    """
+    config = config or load_config()
+    path = Path(path)
+    private = comm.Dup()
+    try:
+        return _open(
+            private, path, dataset, record_bytes, sample_shape, dtype, header_bytes, config
+        )
+    except BaseException:
+        private.Free()
+        raise
+
+
+def _open(comm, path, dataset, record_bytes, sample_shape, dtype, header_bytes, config) -> Dataset:
+    topo = topology(comm, config.ranks_per_node)
+    node, is_leader = topo.node, topo.is_leader
+    topo.free()
+    staged = _staged_root(config, node, path)
+    source = _either(path, staged)
+    with agreed(comm, f"opening the dataset {path}"):
+        if not source.exists():
+            raise NotFoundError("the dataset does not exist", path=path, node=node)
+    kind = None
+    with agreed(comm, f"opening the dataset {path}"):
+        if comm.Get_rank() == 0:
+            if not source.is_dir():
+                kind = "hdf5" if _is_hdf5(source) else "raw"
+            elif (path / INDEX_NAME).exists() or (source / INDEX_NAME).exists():
+                kind = "packed"
+            else:
+                kind = "directory"
+    kind = comm.bcast(kind, root=0)
+    if kind == "directory":
+        layout = _directory_layout(comm, path, staged)
+    elif kind == "packed":
+        layout = _packed_layout(comm, node, is_leader, path, staged, config)
+    else:
+        layout = None
+        with agreed(comm, f"opening the dataset {path}"):
+            if comm.Get_rank() == 0:
+                if kind == "hdf5":
+                    layout = _hdf5_layout(path, source, dataset)
+                else:
+                    layout = _raw_layout(
+                        path, source, record_bytes, sample_shape, dtype, header_bytes
+                    )
+        layout = comm.bcast(layout, root=0)
+    local = _local_copies(config, node, layout.files)
+    return Dataset(comm, layout, local, config)
+
+
+def _is_hdf5(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8) == HDF5_SIGNATURE
+    except OSError as exc:
+        raise from_oserror(exc, "open", path) from None

@@ -1,0 +1,156 @@
+"""``Loader``: batches of a global shuffle, read collectively, prefetched in the background.
+
+Every rank computes the whole shuffled order from the seed (see
+:mod:`bbio.read.sampler`), so no request is ever exchanged: each step is one
+planned collective read.  While the training computes, a background thread
+reads the next ``prefetch`` steps (MPI must run with ``MPI_THREAD_MULTIPLE``,
+mpi4py's default; otherwise the loader reads in the foreground and says so).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+
+from bbio.errors import UsageError
+from bbio.read.datasets import Dataset
+from bbio.read.sampler import epoch_batches, steps_per_epoch
+
+log = logging.getLogger("bbio")
+
+
+class Loader:
+    """Iterate over batches: each rank gets its part of a global shuffle.
+
+    Collective over the dataset's communicator: every rank must create the
+    loader, iterate the same number of steps and call :meth:`close` (or use
+    ``with``).  Each element is what :meth:`Dataset.read` returns for this
+    rank's ids of that step; ``loader.indices`` holds those ids.  The split is
+    PyTorch ``DistributedSampler``'s, without padding: with ``drop_last=False``
+    an epoch delivers every sample exactly once across ranks.
+    """
+
+    def __init__(
+        self,
+        comm,
+        dataset: Dataset,
+        batch_size: int,
+        seed: int,
+        epochs: int = 1,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        prefetch: int = 2,
+    ) -> None:
+        if batch_size < 1 or epochs < 0 or prefetch < 0:
+            raise UsageError(
+                f"Loader needs batch_size >= 1, epochs >= 0 and prefetch >= 0 "
+                f"(got {batch_size}, {epochs}, {prefetch})"
+            )
+        if comm.Get_size() != dataset.comm.Get_size():
+            raise UsageError("the Loader's communicator must be the dataset's")
+        from mpi4py import MPI
+
+        self.dataset = dataset
+        self.rank = comm.Get_rank()
+        self.replicas = comm.Get_size()
+        self.batch_size = batch_size
+        self.seed = seed
+        self.epochs = epochs
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        threaded = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+        if prefetch and not threaded and self.rank == 0:
+            log.warning(
+                "MPI is not initialised with MPI_THREAD_MULTIPLE: reading in the foreground"
+            )
+        self.prefetch = prefetch if threaded else 0
+        self.indices = None  # this rank's ids of the batch last returned
+        self._steps = steps_per_epoch(len(dataset), self.replicas, batch_size, drop_last)
+        self._queue: queue.Queue = queue.Queue()
+        self._turn = threading.Condition()
+        self._allowed = 0  # the background thread may fetch steps below this
+        self._closing = False
+        self._thread: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        """Steps per epoch (the same on every rank)."""
+        return self._steps
+
+    def _schedule(self) -> Iterator[tuple]:
+        for epoch in range(self.epochs):
+            yield from epoch_batches(
+                len(self.dataset),
+                self.replicas,
+                self.batch_size,
+                self.seed,
+                epoch,
+                self.shuffle,
+                self.drop_last,
+            )
+
+    def _fetch(self, batches) -> tuple:
+        return batches[self.rank], self.dataset.read_planned(batches)
+
+    def _may_fetch(self, step: int) -> bool:
+        with self._turn:
+            while step >= self._allowed and not self._closing:
+                self._turn.wait()
+            return step < self._allowed
+
+    def _allow(self, steps: int) -> None:
+        with self._turn:
+            self._allowed += steps
+            self._turn.notify()
+
+    def _background(self) -> None:
+        try:
+            for step, batches in enumerate(self._schedule()):
+                if not self._may_fetch(step):
+                    return
+                self._queue.put(("batch", self._fetch(batches)))
+        except BaseException as exc:  # handed to the training thread
+            self._queue.put(("error", exc))
+            return
+        self._queue.put(("end", None))
+
+    def __iter__(self) -> Iterator:
+        if self.prefetch == 0:
+            for batches in self._schedule():
+                self.indices, data = self._fetch(batches)
+                yield data
+            return
+        if self._thread is not None:
+            raise UsageError("a prefetching Loader can be iterated once; create a new one")
+        self._allow(self.prefetch)
+        self._thread = threading.Thread(target=self._background, name="bbio-loader", daemon=True)
+        self._thread.start()
+        while True:
+            kind, item = self._queue.get()
+            if kind == "end":
+                return
+            if kind == "error":
+                raise item
+            self._allow(1)
+            self.indices, data = item
+            yield data
+
+    def close(self) -> None:
+        """Collective: stop prefetching and join the background thread.
+
+        The thread only ever runs ahead by the steps the training has allowed,
+        the same number on every rank, so the collective reads it has started
+        finish alike everywhere before it stops.
+        """
+        with self._turn:
+            self._closing = True
+            self._turn.notify()
+        if self._thread is not None:
+            self._thread.join()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,197 @@
+"""Collective reads on 2 or 4 ranks in 2 virtual nodes: each sample identical to a plain read."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+import bbio
+from bbio.config import Config
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+SAMPLES = 120
+
+
+def config_for(comm, tmp: Path, **settings) -> Config:
+    return Config(
+        bb_root=str(tmp / "bb" / "{node}"),
+        ranks_per_node=comm.Get_size() // 2,
+        progress="never",
+        **settings,
+    )
+
+
+def sample_bytes(i: int, size: int) -> bytes:
+    return np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+@pytest.fixture
+def datasets(comm, shared_tmp):
+    """The same samples in all four layouts; sample i is sample_bytes(i, size_i)."""
+    root = shared_tmp / "pfs"
+    sizes = [100 + (i * 37) % 900 for i in range(SAMPLES)]
+    if comm.Get_rank() == 0:
+        (root / "files").mkdir(parents=True)
+        for i, size in enumerate(sizes):
+            (root / "files" / f"s{i:04d}.bin").write_bytes(sample_bytes(i, size))
+        fixed = np.stack(
+            [np.frombuffer(sample_bytes(i, 256), np.uint8).view(np.float32) for i in range(SAMPLES)]
+        )
+        with h5py.File(root / "fixed.h5", "w") as f:
+            f.create_dataset("x", data=fixed)
+        with open(root / "fixed.raw", "wb") as f:
+            f.write(b"HEADER!!")
+            f.write(fixed.tobytes())
+    comm.Barrier()
+    config = config_for(comm, shared_tmp)
+    bbio.pack(comm, root / "files", root / "packed", shard_size=20_000, config=config)
+    return root, sizes, config
+
+
+def expected_variable(i, sizes):
+    return sample_bytes(i, sizes[i])
+
+
+def expected_fixed(i):
+    return np.frombuffer(sample_bytes(i, 256), np.uint8).view(np.float32)
+
+
+def my_ids(comm, seed=0, count=9):
+    rng = np.random.default_rng(seed + comm.Get_rank())
+    ids = rng.integers(0, SAMPLES, count)
+    ids[-1] = ids[0]  # a duplicate
+    return ids
+
+
+@pytest.mark.parametrize("kind", ["packed", "files"])
+def test_variable_size_layouts(comm, datasets, kind):
+    root, sizes, config = datasets
+    with bbio.open_dataset(comm, root / kind, config=config) as ds:
+        assert len(ds) == SAMPLES and not ds.fixed_size
+        ids = my_ids(comm)
+        got = ds.read(ids)
+        assert [g.tobytes() for g in got] == [expected_variable(i, sizes) for i in ids]
+        assert ds.stats.requests < comm.Get_size() * len(ids)  # merged: fewer reads than samples
+
+
+@pytest.mark.parametrize("kind", ["hdf5", "raw"])
+def test_fixed_size_layouts(comm, datasets, kind):
+    root, _, config = datasets
+    if kind == "hdf5":
+        ds = bbio.open_dataset(comm, root / "fixed.h5", config=config)
+    else:
+        ds = bbio.open_dataset(
+            comm,
+            root / "fixed.raw",
+            sample_shape=(64,),
+            dtype="float32",
+            header_bytes=8,
+            config=config,
+        )
+    with ds:
+        ids = my_ids(comm, seed=3)
+        got = ds.read(ids)
+        assert got.shape == (len(ids), 64) and got.dtype == np.float32
+        assert got.tobytes() == np.stack([expected_fixed(i) for i in ids]).tobytes()  # NaNs too
+
+
+def test_a_rank_with_nothing_to_read_and_samples_larger_than_the_buffer(comm, datasets):
+    root, sizes, _ = datasets
+    config = config_for(comm, root.parent, read_max_bytes=64, read_max_hole=0)
+    with bbio.open_dataset(comm, root / "packed", config=config) as ds:
+        ids = [] if comm.Get_rank() == 1 else my_ids(comm, seed=7)
+        got = ds.read(ids)
+        assert [g.tobytes() for g in got] == [expected_variable(i, sizes) for i in ids]
+        empty = ds.read([])
+        assert empty == []
+
+
+def test_out_of_range_and_missing_paths_are_the_same_error_everywhere(comm, datasets):
+    root, _, config = datasets
+    with bbio.open_dataset(comm, root / "packed", config=config) as ds:
+        ids = [SAMPLES + 5] if comm.Get_rank() == comm.Get_size() - 1 else [0]
+        with pytest.raises(bbio.UsageError) as info:
+            ds.read(ids)
+        message = str(info.value)
+        assert f"sample id {SAMPLES + 5} (asked by rank {comm.Get_size() - 1}) is out of range" in (
+            message
+        )
+        assert comm.allgather(message) == [message] * comm.Get_size()
+        assert len(ds.read([1])) == 1  # still usable afterwards
+    with pytest.raises(bbio.NotFoundError, match="the dataset does not exist"):
+        bbio.open_dataset(comm, root / "nowhere", config=config)
+
+
+def test_a_file_that_vanished_after_opening_is_reported_on_every_rank(comm, datasets):
+    root, _, config = datasets
+    with bbio.open_dataset(comm, root / "files", config=config) as ds:
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            os.rename(root / "files" / "s0003.bin", root / "s0003.moved")
+        comm.Barrier()
+        with pytest.raises(bbio.NotFoundError) as info:
+            ds.read([3])
+        assert "s0003.bin" in str(info.value)
+        assert comm.allgather(str(info.value)) == [str(info.value)] * comm.Get_size()
+
+
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_staged_copies_are_read_from_the_burst_buffers(comm, datasets, mode):
+    root, sizes, config = datasets
+    bbio.stage_in(comm, root / "packed", f"{config.bb_root}/packed", mode=mode, config=config)
+    comm.Barrier()
+    if comm.Get_rank() == 0:  # the PFS copy is gone: only the burst buffers can serve
+        shutil.move(root / "packed", root / "packed-away")
+        os.mkdir(root / "packed")
+        shutil.copy(root / "packed-away" / "bbio-pack.json", root / "packed")
+    comm.Barrier()
+    with bbio.open_dataset(comm, root / "packed", config=config) as ds:
+        assert ds.local, "this node's burst buffer holds no file of the dataset"
+        ids = my_ids(comm, seed=11, count=20)
+        got = ds.read(ids)
+        assert [g.tobytes() for g in got] == [expected_variable(i, sizes) for i in ids]
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_loader_epoch_delivers_each_sample_once_and_matches_plain_reads(
+    comm, datasets, prefetch, drop_last
+):
+    root, sizes, config = datasets
+    with bbio.open_dataset(comm, root / "packed", config=config) as ds:
+        seen = []
+        with bbio.Loader(
+            comm, ds, batch_size=7, seed=3, epochs=2, drop_last=drop_last, prefetch=prefetch
+        ) as loader:
+            steps = 0
+            for batch in loader:
+                ids = loader.indices
+                assert [b.tobytes() for b in batch] == [expected_variable(i, sizes) for i in ids]
+                seen.append(ids.tolist())
+                steps += 1
+            assert steps == 2 * len(loader)
+        everyone = comm.allgather(seen)
+        first_epoch = [i for rank in everyone for step in rank[: len(loader)] for i in step]
+        if drop_last:
+            per_rank = SAMPLES // comm.Get_size() // 7 * 7
+            assert len(first_epoch) == per_rank * comm.Get_size()
+            assert len(set(first_epoch)) == len(first_epoch)
+        else:
+            assert sorted(first_epoch) == list(range(SAMPLES))
+
+
+def test_loader_stopped_early_does_not_hang(comm, datasets):
+    root, _, config = datasets
+    with bbio.open_dataset(comm, root / "files", config=config) as ds:
+        loader = bbio.Loader(comm, ds, batch_size=4, seed=0, epochs=3, prefetch=3)
+        for step, _ in enumerate(loader):
+            if step == 2:
+                break
+        loader.close()
+        assert len(ds.read([0])) == 1  # the dataset's collectives are still in step

@@ -1,0 +1,195 @@
+"""The collective read plan and the sampler are pure: tested without MPI or files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bbio.read import sampler
+from bbio.read.plan import Extents, make_plan
+
+
+def fake_files(sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, s, dtype=np.uint8) for s in sizes]
+
+
+def fixed_extents(files, sample):
+    file_idx, offsets = [], []
+    for f, data in enumerate(files):
+        for off in range(0, data.size - sample + 1, sample):
+            file_idx.append(f)
+            offsets.append(off)
+    n = len(offsets)
+    return Extents(
+        np.array(file_idx, np.int32), np.array(offsets, np.int64), np.full(n, sample, np.int64)
+    )
+
+
+def execute(plan, files):
+    """Run a plan on in-memory 'files': return every request's bytes, by (rank, pos)."""
+    buffers = {}
+    for agg in range(len(plan.aggregators)):
+        buffers[agg] = np.zeros(plan.buffer_bytes(agg), dtype=np.uint8)
+    for a, f, off, length, buf in zip(
+        plan.read_agg,
+        plan.read_file,
+        plan.read_offset,
+        plan.read_length,
+        plan.read_buf,
+        strict=True,
+    ):
+        chunk = files[f][off : off + length]
+        buffers[a][buf : buf + chunk.size] = chunk
+    got = {}
+    for r, p, a, buf, length in zip(
+        plan.req_rank, plan.req_pos, plan.req_agg, plan.req_buf, plan.req_length, strict=True
+    ):
+        got[(int(r), int(p))] = buffers[a][buf : buf + length].tobytes()
+    return got
+
+
+def plan_for(requests, extents, files, *, rank_node, aggregators, holders=None, **kw):
+    counts = [len(r) for r in requests]
+    settings = {"stripe": 4096, "max_hole": 0, "max_read": 1 << 20, **kw}
+    return make_plan(
+        np.repeat(np.arange(len(requests)), counts),
+        np.concatenate([np.arange(c) for c in counts]),
+        np.concatenate([np.asarray(r, dtype=np.int64) for r in requests]),
+        extents,
+        rank_node,
+        aggregators,
+        holders or [frozenset()] * len(files),
+        [f.size for f in files],
+        settings["stripe"],
+        settings["max_hole"],
+        settings["max_read"],
+    )
+
+
+@pytest.mark.parametrize("max_hole", [0, 300, 1 << 20])
+@pytest.mark.parametrize("max_read", [64, 1000, 1 << 20])
+def test_every_request_gets_exactly_its_bytes(max_hole, max_read):
+    files = fake_files([10_000, 7_000, 3_000], seed=1)
+    extents = fixed_extents(files, 100)
+    rng = np.random.default_rng(2)
+    requests = [rng.integers(0, len(extents), size) for size in (7, 0, 13, 5)]
+    requests[3][:2] = requests[0][:2]  # the same samples from two ranks
+    requests[2][-1] = requests[2][0]  # and twice from one rank
+    plan = plan_for(
+        requests,
+        extents,
+        files,
+        rank_node=[0, 0, 1, 1],
+        aggregators=[0, 2],
+        max_hole=max_hole,
+        max_read=max_read,
+    )
+    got = execute(plan, files)
+    for r, ids in enumerate(requests):
+        for p, i in enumerate(ids):
+            f, off, n = extents.file[i], extents.offset[i], extents.length[i]
+            assert got[(r, p)] == files[f][off : off + n].tobytes()
+    if max_read >= 100:
+        assert all(length <= max_read for length in plan.read_length)
+
+
+def test_neighbours_merge_up_to_the_hole_size_and_each_byte_is_read_once():
+    files = fake_files([100_000])
+    extents = fixed_extents(files, 100)
+    requests = [[0, 1, 2], [5, 50], [3]]
+    tight = plan_for(requests, extents, files, rank_node=[0, 0, 0], aggregators=[0])
+    assert tight.requests_issued == 3  # 0-3 adjacent, then 5, then 50
+    assert tight.bytes_read == 600
+    loose = plan_for(requests, extents, files, rank_node=[0, 0, 0], aggregators=[0], max_hole=200)
+    assert loose.requests_issued == 2  # 0-5 with a 100-byte hole, then 50
+    assert loose.bytes_read == 700
+
+
+def test_file_domains_split_the_work_between_aggregators():
+    files = fake_files([1 << 20])
+    extents = fixed_extents(files, 1024)
+    requests = [list(range(0, 1024, 8)), [], [], []]
+    plan = plan_for(requests, extents, files, rank_node=[0, 0, 1, 1], aggregators=[0, 1, 2, 3])
+    per_agg = [int((plan.read_agg == a).sum()) for a in range(4)]
+    assert all(count > 0 for count in per_agg)
+    for a in range(4):  # contiguous domains: every read of agg a precedes those of a+1
+        mine = plan.read_offset[plan.read_agg == a]
+        if a < 3:
+            assert mine.max() < plan.read_offset[plan.read_agg == a + 1].min()
+
+
+def test_files_in_a_nodes_burst_buffer_are_served_by_that_node():
+    files = fake_files([50_000, 50_000])
+    extents = fixed_extents(files, 500)
+    holders = [frozenset({0, 1}), frozenset({1})]  # file 0 everywhere, file 1 on node 1 only
+    requests = [[0, 150], [1], [2, 160], [3]]  # ranks 0,1 on node 0; 2,3 on node 1
+    plan = plan_for(
+        requests,
+        extents,
+        files,
+        rank_node=[0, 0, 1, 1],
+        aggregators=[0, 2],
+        holders=holders,
+    )
+    agg_node = {0: 0, 1: 1}
+    for r, p, a, f in zip(
+        plan.req_rank,
+        plan.req_pos,
+        plan.req_agg,
+        extents.file[[*requests[0], *requests[1], *requests[2], *requests[3]]],
+        strict=True,
+    ):
+        node = 0 if r < 2 else 1
+        expected = node if f == 0 else 1
+        assert agg_node[int(a)] == expected, (r, p, f)
+    got = execute(plan, files)
+    assert got[(0, 1)] == files[1][25_000:25_500].tobytes()
+
+
+def test_no_requests_at_all():
+    files = fake_files([1000])
+    plan = plan_for([[], []], fixed_extents(files, 10), files, rank_node=[0, 0], aggregators=[0])
+    assert plan.requests_issued == 0 and plan.req_rank.size == 0
+
+
+# ------------------------------------------------------------------ sampler
+
+
+@pytest.mark.parametrize("n", [0, 1, 10, 97])
+@pytest.mark.parametrize("replicas", [1, 3, 4])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_an_epoch_delivers_every_sample_exactly_once(n, replicas, batch):
+    steps = sampler.epoch_batches(
+        n, replicas, batch, seed=5, epoch=1, shuffle=True, drop_last=False
+    )
+    assert len(steps) == sampler.steps_per_epoch(n, replicas, batch, False)
+    delivered = np.concatenate([b for step in steps for b in step]) if steps else np.zeros(0)
+    assert sorted(delivered.tolist()) == list(range(n))
+    assert all(len(step) == replicas for step in steps)
+
+
+def test_the_split_is_distributed_samplers_round_robin():
+    # DistributedSampler(dataset of 10, num_replicas=3, shuffle=False, drop_last=True) gives
+    # rank 0: [0, 3, 6], rank 1: [1, 4, 7], rank 2: [2, 5, 8].
+    order = sampler.epoch_order(10, seed=0, epoch=0, shuffle=False)
+    assert [sampler.rank_indices(order, 3, r, True).tolist() for r in range(3)] == [
+        [0, 3, 6],
+        [1, 4, 7],
+        [2, 5, 8],
+    ]
+    # without drop_last bbio does not pad: rank 0 gets the 10th sample, no one repeats
+    assert [sampler.rank_indices(order, 3, r, False).tolist() for r in range(3)] == [
+        [0, 3, 6, 9],
+        [1, 4, 7],
+        [2, 5, 8],
+    ]
+
+
+def test_drop_last_gives_full_batches_only_and_the_shuffle_depends_on_seed_and_epoch():
+    steps = sampler.epoch_batches(103, 4, 5, seed=1, epoch=0, shuffle=True, drop_last=True)
+    assert len(steps) == 5 and all(len(b) == 5 for step in steps for b in step)
+    first = sampler.epoch_order(103, 1, 0, True)
+    assert np.array_equal(first, sampler.epoch_order(103, 1, 0, True))
+    assert not np.array_equal(first, sampler.epoch_order(103, 1, 1, True))
+    assert not np.array_equal(first, sampler.epoch_order(103, 2, 0, True))
