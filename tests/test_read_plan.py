@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bbio.read import sampler
-from bbio.read.plan import Extents, make_plan
+from bbio.read.plan import Extents, Holders, make_plan
 
 
 def fake_files(sizes, seed=0):
@@ -59,7 +59,7 @@ def plan_for(requests, extents, files, *, rank_node, aggregators, holders=None, 
         extents,
         rank_node,
         aggregators,
-        holders or [frozenset()] * len(files),
+        holders or Holders.none(max(rank_node) + 1, len(files)),
         [f.size for f in files],
         settings["stripe"],
         settings["max_hole"],
@@ -122,7 +122,7 @@ def test_file_domains_split_the_work_between_aggregators():
 def test_files_in_a_nodes_burst_buffer_are_served_by_that_node():
     files = fake_files([50_000, 50_000])
     extents = fixed_extents(files, 500)
-    holders = [frozenset({0, 1}), frozenset({1})]  # file 0 everywhere, file 1 on node 1 only
+    holders = Holders.from_sets(2, 2, [[0], [0, 1]])  # file 0 everywhere, file 1 on node 1 only
     requests = [[0, 150], [1], [2, 160], [3]]  # ranks 0,1 on node 0; 2,3 on node 1
     plan = plan_for(
         requests,

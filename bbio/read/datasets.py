@@ -38,7 +38,7 @@ from bbio.errors import (
     from_oserror,
 )
 from bbio.mpi import agreed, topology
-from bbio.read.plan import Extents, ReadPlan, make_plan
+from bbio.read.plan import Extents, Holders, ReadPlan, make_plan
 from bbio.stage import registry
 from bbio.stage.pack import INDEX_NAME, read_index
 from bbio.stage.walk import walk
@@ -287,12 +287,11 @@ class Dataset:
             holds = comm.allgather((topo.node, sorted(local)) if topo.is_leader else None)
         finally:
             topo.free()
-        holders: list[set[int]] = [set() for _ in layout.files]
+        held = [[] for _ in range(max(self.rank_node) + 1)]
         for item in holds:
             if item is not None:
-                for f in item[1]:
-                    holders[f].add(item[0])
-        self.holders = [frozenset(h) for h in holders]
+                held[item[0]] = item[1]
+        self.holders = Holders.from_sets(len(held), len(layout.files), held)
         self.local = local
         self.stripe = config.stripe_size or comm.bcast(
             _stripe_size(self._path(0)) if comm.Get_rank() == 0 and layout.files else 4096
@@ -315,33 +314,39 @@ class Dataset:
         ids; ids may repeat.  An id out of range raises the same
         :class:`UsageError` on every rank.
         """
-        mine = np.asarray(indices, dtype=np.int64).reshape(-1)
-        return self.read_planned(self.comm.allgather(mine))
+        from mpi4py import MPI
+
+        mine = np.ascontiguousarray(indices, dtype=np.int64).reshape(-1)
+        counts = np.zeros(self.comm.Get_size(), dtype=np.int64)
+        self.comm.Allgather(np.array([mine.size], dtype=np.int64), counts)
+        everyone = np.empty(int(counts.sum()), dtype=np.int64)
+        self.comm.Allgatherv(mine, [everyone, counts, _displs(counts), MPI.INT64_T])
+        return self.read_planned(np.split(everyone, np.cumsum(counts)[:-1]))
 
     def read_planned(self, requests: Sequence[np.ndarray]):
         """Collective: like :meth:`read`, with every rank's ids already known.
 
         ``requests[r]`` holds rank r's ids (every rank passes the same list);
-        the :class:`Loader` uses this to skip exchanging requests.
+        the :class:`Loader` uses this to skip exchanging requests.  One
+        ``Alltoallv`` moves the bytes, and with them each aggregator's status,
+        so a failed read raises the same error on every rank.
         """
-        comm = self.comm
-        rank = comm.Get_rank()
+        rank = self.comm.Get_rank()
         n = len(self)
+        requests = [np.asarray(ids, dtype=np.int64).reshape(-1) for ids in requests]
         for r, ids in enumerate(requests):
-            wrong = np.asarray(ids)[(np.asarray(ids) < 0) | (np.asarray(ids) >= n)]
+            wrong = ids[(ids < 0) | (ids >= n)]
             if wrong.size:
                 raise UsageError(
                     f"sample id {int(wrong[0])} (asked by rank {r}) is out of range: "
                     f"the dataset has {n} samples",
                     hint="ids go from 0 to len(dataset) - 1",
                 )
-        counts = [int(np.asarray(ids).size) for ids in requests]
+        counts = [ids.size for ids in requests]
         plan = make_plan(
             np.repeat(np.arange(len(requests)), counts),
-            np.concatenate([np.arange(c) for c in counts]) if sum(counts) else np.zeros(0),
-            np.concatenate([np.asarray(ids, dtype=np.int64) for ids in requests])
-            if sum(counts)
-            else np.zeros(0, dtype=np.int64),
+            np.concatenate([np.arange(c) for c in counts]),
+            np.concatenate(requests),
             self.layout.extents,
             self.rank_node,
             self.aggregators,
@@ -351,13 +356,22 @@ class Dataset:
             self.config.read_max_hole,
             self.config.read_max_bytes,
         )
+        agg = plan.aggregators.index(rank) if rank in plan.aggregators else -1
+        failure: Exception | None = None
         buffer = np.zeros(0, dtype=np.uint8)
-        with agreed(comm, "collective read"):
-            if rank in self.aggregators:
-                buffer = self._aggregate(plan, plan.aggregators.index(rank))
-        received = self._exchange(plan, buffer, rank)
+        if agg >= 0:
+            try:
+                buffer = self._aggregate(plan, agg)
+            except Exception as exc:
+                failure = exc
+                buffer = np.zeros(plan.buffer_bytes(agg), dtype=np.uint8)
+        received, starts, statuses = self._exchange(plan, buffer, agg, failure is not None)
+        if statuses.any():  # every rank received every aggregator's status
+            with agreed(self.comm, "collective read"):
+                if failure is not None:
+                    raise failure
         self._count(plan, requests)
-        return self._assemble(plan, received, rank, counts[rank])
+        return self._assemble(plan, received, starts, rank, counts[rank])
 
     def _path(self, f: int) -> str:
         return self.local.get(f, self.layout.files[f])
@@ -388,58 +402,78 @@ class Dataset:
         )
         short = np.flatnonzero(got != plan.read_length[mine])
         if short.size:
-            f = int(files[short[0]])
             raise IntegrityError(
                 f"the file is shorter than the dataset says ({short.size} short reads)",
-                path=self._path(f),
+                path=self._path(int(files[short[0]])),
                 node=self.node,
                 hint="the dataset changed after it was opened; open it again",
             )
         return buffer
 
-    def _exchange(self, plan: ReadPlan, buffer: np.ndarray, rank: int) -> np.ndarray:
+    def _exchange(
+        self, plan: ReadPlan, buffer: np.ndarray, agg: int, failed: bool
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """One Alltoallv: every aggregator sends each rank a status byte, then that rank's bytes.
+
+        Returns the received buffer, where each of this rank's requests starts
+        in it (by request index of the plan), and every aggregator's status.
+        """
         from mpi4py import MPI
 
         size = self.comm.Get_size()
-        agg = plan.aggregators.index(rank) if rank in plan.aggregators else -1
+        rank = self.comm.Get_rank()
+        aggs = np.asarray(plan.aggregators, dtype=np.int64)
         send_counts = np.zeros(size, dtype=np.int64)
-        chunks = []
+        pieces: list[np.ndarray] = []
         if agg >= 0:
+            send_counts[:] = 1
             mine = np.flatnonzero(plan.req_agg == agg)
             mine = mine[np.lexsort((plan.req_pos[mine], plan.req_rank[mine]))]
-            for i in mine.tolist():
-                start = int(plan.req_buf[i])
-                chunks.append(buffer[start : start + int(plan.req_length[i])])
             np.add.at(send_counts, plan.req_rank[mine], plan.req_length[mine])
-        send = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint8)
-        recv_counts = np.zeros(size, dtype=np.int64)
+            status = np.array([int(failed)], dtype=np.uint8)
+            by_rank = np.searchsorted(plan.req_rank[mine], np.arange(size + 1))
+            for r in range(size):
+                pieces.append(status)
+                for i in mine[by_rank[r] : by_rank[r + 1]].tolist():
+                    start = int(plan.req_buf[i])
+                    pieces.append(buffer[start : start + int(plan.req_length[i])])
+        send = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint8)
         asked = np.flatnonzero(plan.req_rank == rank)
-        sources = np.asarray(plan.aggregators, dtype=np.int64)[plan.req_agg[asked]]
-        np.add.at(recv_counts, sources, plan.req_length[asked])
+        asked = asked[np.lexsort((plan.req_pos[asked], plan.req_agg[asked]))]
+        recv_counts = np.zeros(size, dtype=np.int64)
+        recv_counts[aggs] = 1
+        np.add.at(recv_counts, aggs[plan.req_agg[asked]], plan.req_length[asked])
         received = np.empty(int(recv_counts.sum()), dtype=np.uint8)
+        recv_displs = _displs(recv_counts)
         self.comm.Alltoallv(
             [send, (send_counts, _displs(send_counts)), MPI.BYTE],
-            [received, (recv_counts, _displs(recv_counts)), MPI.BYTE],
+            [received, (recv_counts, recv_displs), MPI.BYTE],
         )
-        return received
+        statuses = received[recv_displs[aggs]]
+        # within each aggregator's block: the status byte, then requests in position order
+        lengths = plan.req_length[asked]
+        block = aggs[plan.req_agg[asked]]
+        before = np.cumsum(lengths) - lengths
+        first_in_block = np.searchsorted(block, block, side="left")
+        starts = np.zeros(plan.req_rank.size, dtype=np.int64)
+        starts[asked] = recv_displs[block] + 1 + before - before[first_in_block]
+        return received, starts, statuses
 
-    def _assemble(self, plan: ReadPlan, received: np.ndarray, rank: int, count: int):
+    def _assemble(
+        self, plan: ReadPlan, received: np.ndarray, starts: np.ndarray, rank: int, count: int
+    ):
         asked = np.flatnonzero(plan.req_rank == rank)
-        sources = np.asarray(plan.aggregators, dtype=np.int64)[plan.req_agg[asked]]
-        order = asked[np.lexsort((plan.req_pos[asked], sources))]
-        positions = plan.req_pos[order]
-        lengths = plan.req_length[order]
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if order.size else lengths
+        positions = plan.req_pos[asked].tolist()
+        offsets = starts[asked].tolist()
+        lengths = plan.req_length[asked].tolist()
         if self.fixed_size:
             out = np.empty((count, *self.layout.sample_shape), dtype=np.dtype(self.layout.dtype))
             flat = out.reshape(count, -1).view(np.uint8)
-            for pos, start, length in zip(positions, starts, lengths, strict=True):
+            for pos, start, length in zip(positions, offsets, lengths, strict=True):
                 flat[pos] = received[start : start + length]
             return out
         samples: list[np.ndarray] = [np.zeros(0, dtype=np.uint8)] * count
-        for pos, start, length in zip(
-            positions.tolist(), starts.tolist(), lengths.tolist(), strict=True
-        ):
+        for pos, start, length in zip(positions, offsets, lengths, strict=True):
             samples[pos] = received[start : start + length]
         return samples
 

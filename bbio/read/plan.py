@@ -4,22 +4,22 @@ Inputs are plain arrays: each request is (rank, position in that rank's list,
 sample id), and the dataset's extent table maps a sample to (file, offset,
 length).  The plan:
 
-1. groups requests by who should serve them: a rank's node, when that node's
-   burst buffer holds the file; the lowest node holding it otherwise; and all
-   aggregators when only the PFS has it;
+1. groups requests by who should serve them: a rank's own node, when that
+   node's burst buffer holds the file; the lowest node holding it otherwise;
+   and every aggregator when only the PFS has it;
 2. within a group, sorts the distinct extents by (file, offset) and merges
-   neighbours into one read while the hole between them is at most
-   ``max_hole`` and the read stays within ``max_read`` (a larger sample is
-   read in several pieces);
+   neighbours into one range while the hole between them is at most
+   ``max_hole`` bytes;
 3. splits the group's accessed byte range into one contiguous *file domain*
-   per aggregator, aligned to ``stripe``, and gives each read to the
-   aggregator whose domain holds its start;
-4. places each read in its aggregator's buffer (reads back to back, in order)
-   and records, for every request, its aggregator and where its bytes lie in
-   that buffer.
+   per aggregator of the group, aligned to ``stripe``, and gives each range to
+   the aggregator whose domain holds its start;
+4. cuts ranges into reads of at most ``max_read`` bytes and places each
+   aggregator's reads back to back in its buffer, in (file, offset) order, so
+   the bytes of every request are contiguous there; it records, for every
+   request, its aggregator and where its bytes start.
 
-From the result every rank derives what it sends to and receives from every
-other in one ``Alltoallv``.
+Everything is vectorised with NumPy.  From the result every rank derives what
+it sends to and receives from every other in one ``Alltoallv``.
 """
 
 from __future__ import annotations
@@ -45,11 +45,38 @@ class Extents:
 
 
 @dataclasses.dataclass(frozen=True)
+class Holders:
+    """Which node's burst buffer holds which file.
+
+    ``holds[node, file]`` is True when that node holds it; ``lowest[file]`` is
+    the lowest such node, or ``PFS_ONLY``.
+    """
+
+    holds: np.ndarray  # bool, (nodes, files)
+    lowest: np.ndarray  # int64, (files,)
+
+    @classmethod
+    def from_sets(cls, nodes: int, files: int, held: Sequence[Sequence[int]]) -> Holders:
+        """``held[node]`` lists the files that node holds."""
+        holds = np.zeros((nodes, files), dtype=bool)
+        for node, fs in enumerate(held):
+            holds[node, np.asarray(list(fs), dtype=np.int64)] = True
+        any_holder = holds.any(axis=0)
+        lowest = np.where(any_holder, holds.argmax(axis=0), PFS_ONLY).astype(np.int64)
+        return cls(holds, lowest)
+
+    @classmethod
+    def none(cls, nodes: int, files: int) -> Holders:
+        """Only the PFS holds anything."""
+        return cls.from_sets(nodes, files, [[] for _ in range(nodes)])
+
+
+@dataclasses.dataclass(frozen=True)
 class ReadPlan:
     """Who reads what, and where every request's bytes land.
 
-    ``reads`` has one row per read: aggregator index (into the plan's
-    aggregator list), file, offset, length, and offset in that aggregator's
+    ``read_*`` arrays have one row per read: aggregator index (into
+    ``aggregators``), file, offset, length, and offset in that aggregator's
     buffer.  ``req_*`` arrays are per request, in the order given.
     """
 
@@ -80,36 +107,9 @@ class ReadPlan:
         return int(self.read_length.size)
 
 
-def _group_of(
-    req_node: np.ndarray, files: np.ndarray, holders: Sequence[frozenset[int]]
-) -> np.ndarray:
-    """Serving group per request: a node index, or PFS_ONLY."""
-    group = np.full(req_node.size, PFS_ONLY, dtype=np.int64)
-    for i, (node, f) in enumerate(zip(req_node.tolist(), files.tolist(), strict=True)):
-        held = holders[f]
-        if node in held:
-            group[i] = node
-        elif held:
-            group[i] = min(held)
-    return group
-
-
-def _merge(
-    file: np.ndarray, offset: np.ndarray, end: np.ndarray, max_hole: int, max_read: int
-) -> list[tuple[int, int, int]]:
-    """Merge sorted extents into (file, start, end) ranges."""
-    ranges: list[tuple[int, int, int]] = []
-    cur_file, cur_start, cur_end = -1, 0, 0
-    for f, o, e in zip(file.tolist(), offset.tolist(), end.tolist(), strict=True):
-        if f == cur_file and o - cur_end <= max_hole and max(e, cur_end) - cur_start <= max_read:
-            cur_end = max(cur_end, e)
-            continue
-        if cur_file >= 0:
-            ranges.append((cur_file, cur_start, cur_end))
-        cur_file, cur_start, cur_end = f, o, e
-    if cur_file >= 0:
-        ranges.append((cur_file, cur_start, cur_end))
-    return ranges
+def _empty_plan(aggregators: Sequence[int]) -> ReadPlan:
+    nothing = np.zeros(0, dtype=np.int64)
+    return ReadPlan(*([nothing] * 10), aggregators=tuple(int(a) for a in aggregators))
 
 
 def make_plan(
@@ -119,7 +119,7 @@ def make_plan(
     extents: Extents,
     rank_node: Sequence[int],
     aggregators: Sequence[int],
-    holders: Sequence[frozenset[int]],
+    holders: Holders,
     file_sizes: Sequence[int],
     stripe: int,
     max_hole: int,
@@ -128,70 +128,85 @@ def make_plan(
     """Plan one collective read (see the module docstring).  Pure.
 
     ``rank_node[r]`` is rank r's node; ``aggregators`` are ranks, at least one
-    on every node; ``holders[f]`` the nodes whose burst buffer holds file f
-    (empty: only the PFS has it).
+    on every node.
     """
     req_rank = np.asarray(req_rank, dtype=np.int64)
+    if req_rank.size == 0:
+        return _empty_plan(aggregators)
     req_pos = np.asarray(req_pos, dtype=np.int64)
     req_sample = np.asarray(req_sample, dtype=np.int64)
     nodes = np.asarray(rank_node, dtype=np.int64)
     files = extents.file[req_sample].astype(np.int64)
     starts = extents.offset[req_sample].astype(np.int64)
     lengths = extents.length[req_sample].astype(np.int64)
-    group = _group_of(nodes[req_rank], files, holders)
-    agg_nodes = nodes[np.asarray(aggregators, dtype=np.int64)]
+
+    # 1. serving group per request
+    req_node = nodes[req_rank]
+    group = np.where(holders.holds[req_node, files], req_node, holders.lowest[files])
+
     # One byte space for all files: each starts on a stripe boundary.
     padded = -(-np.maximum(np.asarray(file_sizes, dtype=np.int64), 1) // stripe) * stripe
     file_base = np.concatenate([[0], np.cumsum(padded)[:-1]]).astype(np.int64)
+    gstart = file_base[files] + starts
+    gend = gstart + lengths
 
-    range_rows: list[tuple[int, int, int, int]] = []  # aggregator, file, start, end
-    req_range = np.zeros(req_rank.size, dtype=np.int64)  # index into range_rows
-    for g in np.unique(group).tolist():
+    # 2. distinct extents per group, sorted; merged into ranges
+    order = np.lexsort((gend, gstart, group))
+    g_s, s_s, e_s = group[order], gstart[order], gend[order]
+    distinct = np.ones(order.size, dtype=bool)
+    distinct[1:] = (g_s[1:] != g_s[:-1]) | (s_s[1:] != s_s[:-1]) | (e_s[1:] != e_s[:-1])
+    g_u, s_u, e_u = g_s[distinct], s_s[distinct], e_s[distinct]
+    f_u = files[order][distinct]
+    # (Overlapping extents, which samples rarely are, may start a range inside the
+    # previous one: both are read, which is wasteful but correct.)
+    new_range = np.ones(g_u.size, dtype=bool)
+    new_range[1:] = (g_u[1:] != g_u[:-1]) | (f_u[1:] != f_u[:-1]) | (s_u[1:] - e_u[:-1] > max_hole)
+    range_id = np.cumsum(new_range) - 1
+    r_start = s_u[new_range]
+    r_end = np.maximum.reduceat(e_u, np.flatnonzero(new_range))
+    r_group = g_u[new_range]
+    r_file = f_u[new_range]
+
+    # 3. file domains: each group's accessed span split evenly among its aggregators
+    agg_nodes = nodes[np.asarray(aggregators, dtype=np.int64)]
+    r_agg = np.zeros(r_start.size, dtype=np.int64)
+    for g in np.unique(r_group).tolist():
         members = np.flatnonzero(agg_nodes == g) if g != PFS_ONLY else np.arange(agg_nodes.size)
-        in_group = np.flatnonzero(group == g)
-        uniq = np.unique(np.stack([files[in_group], starts[in_group], lengths[in_group]]), axis=1)
-        ranges = _merge(uniq[0], uniq[1], uniq[1] + uniq[2], max_hole, max_read)
-        first = np.array([file_base[f] + s for f, s, _ in ranges], dtype=np.int64)
-        last = np.array([file_base[f] + e for f, _, e in ranges], dtype=np.int64)
-        lo, hi = int(first.min()), int(last.max())
+        sel = np.flatnonzero(r_group == g)
+        lo, hi = int(r_start[sel].min()), int(r_end[sel].max())
         domain = -(-max(hi - lo, 1) // members.size)
         domain = -(-domain // stripe) * stripe
-        owner = members[np.minimum((first - lo) // domain, members.size - 1)]
-        # ranges are sorted by (file, start), so by ``first``: find each request's range
-        where = np.searchsorted(first, file_base[files[in_group]] + starts[in_group], "right") - 1
-        req_range[in_group] = len(range_rows) + where
-        range_rows.extend(
-            (int(a), f, s, e) for a, (f, s, e) in zip(owner.tolist(), ranges, strict=True)
-        )
+        r_agg[sel] = members[np.minimum((r_start[sel] - lo) // domain, members.size - 1)]
 
-    # Reads: each range cut into pieces of at most max_read; an aggregator's
-    # buffer holds its reads back to back in (file, offset) order, so the
-    # pieces of one range are adjacent and a request's bytes are contiguous.
-    order = sorted(range(len(range_rows)), key=lambda i: range_rows[i])
-    read_rows: list[tuple[int, int, int, int, int]] = []
-    range_buf = np.zeros(len(range_rows), dtype=np.int64)
-    filled: dict[int, int] = {}
-    for i in order:
-        agg, f, s, e = range_rows[i]
-        range_buf[i] = filled.get(agg, 0)
-        for piece in range(s, e, max_read) if e > s else [s]:
-            length = min(max_read, e - piece)
-            read_rows.append((agg, f, piece, length, filled.get(agg, 0)))
-            filled[agg] = filled.get(agg, 0) + length
-    reads = np.array(read_rows, dtype=np.int64).reshape(-1, 5)
-    ranges_arr = np.array(range_rows, dtype=np.int64).reshape(-1, 4)
+    # 4. reads of at most max_read; each aggregator's buffer in (file, offset) order
+    pieces = np.maximum(-(-(r_end - r_start) // max_read), 1)
+    p_range = np.repeat(np.arange(r_start.size), pieces)
+    p_index = np.arange(p_range.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    p_start = r_start[p_range] + p_index * max_read
+    p_len = np.minimum(r_end[p_range] - p_start, max_read)
+    p_agg = r_agg[p_range]
+    by_agg = np.argsort(p_agg, kind="stable")  # pieces are in (file, offset) order already
+    p_buf = np.zeros(p_range.size, dtype=np.int64)
+    sorted_len = p_len[by_agg]
+    sorted_agg = p_agg[by_agg]
+    running = np.cumsum(sorted_len) - sorted_len
+    first_of_agg = np.searchsorted(sorted_agg, sorted_agg, side="left")
+    p_buf[by_agg] = running - running[first_of_agg]
+    range_buf = p_buf[np.cumsum(pieces) - pieces]  # buffer offset of each range's first piece
+
+    # where each request's bytes start: its range's buffer offset plus its offset in the range
+    req_range = np.empty(order.size, dtype=np.int64)
+    req_range[order] = range_id[np.cumsum(distinct) - 1]
     return ReadPlan(
-        read_agg=reads[:, 0],
-        read_file=reads[:, 1],
-        read_offset=reads[:, 2],
-        read_length=reads[:, 3],
-        read_buf=reads[:, 4],
+        read_agg=p_agg,
+        read_file=r_file[p_range],
+        read_offset=p_start - file_base[r_file[p_range]],
+        read_length=p_len,
+        read_buf=p_buf,
         req_rank=req_rank,
         req_pos=req_pos,
-        req_agg=ranges_arr[req_range, 0] if req_rank.size else np.zeros(0, dtype=np.int64),
-        req_buf=range_buf[req_range] + starts - ranges_arr[req_range, 2]
-        if req_rank.size
-        else np.zeros(0, dtype=np.int64),
+        req_agg=r_agg[req_range],
+        req_buf=range_buf[req_range] + gstart - r_start[req_range],
         req_length=lengths,
         aggregators=tuple(int(a) for a in aggregators),
     )
