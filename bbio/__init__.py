@@ -5,6 +5,8 @@ without mpirun).  Calls that need MPI take a communicator explicitly.
 """
 
 from bbio._version import __version__
+from bbio.checkpoint.checkpointer import Checkpointer, CheckpointInfo, SaveHandle
+from bbio.checkpoint.layout import Shard
 from bbio.config import Config, load_config
 from bbio.errors import (
     AlreadyExistsError,
@@ -32,6 +34,8 @@ __all__ = [
     "AlreadyExistsError",
     "BBIOError",
     "BBIOTimeoutError",
+    "CheckpointInfo",
+    "Checkpointer",
     "CollectiveError",
     "Config",
     "ConfigError",
@@ -47,6 +51,8 @@ __all__ = [
     "PackSummary",
     "PermissionDeniedError",
     "ReadStats",
+    "SaveHandle",
+    "Shard",
     "StageSummary",
     "UsageError",
     "VerifyReport",

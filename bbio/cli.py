@@ -161,6 +161,61 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     return _run_collective(args, call)
 
 
+def _ckpt_roots(args: argparse.Namespace):
+    config = load_config(args.config)
+    bb_root = config.expand(args.bb_root or config.bb_root, node=args.node or 0)
+    pfs_root = config.expand(args.pfs_root) if args.pfs_root else config.pfs_dir()
+    return bb_root, pfs_root
+
+
+def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
+    from bbio.checkpoint import admin
+
+    bb_root, pfs_root = _ckpt_roots(args)
+    rows = admin.list_checkpoints(bb_root, pfs_root, args.node, args.name)
+    print(f"burst buffer {bb_root}; PFS {pfs_root}")
+    print(
+        format_table(
+            ["name", "step", "burst buffer (this node)", "PFS", "drain queue"],
+            [(r.name, r.step, r.bb, r.pfs, "queued" if r.queued else "-") for r in rows],
+        )
+    )
+    return 0
+
+
+def _cmd_ckpt_verify(args: argparse.Namespace) -> int:
+    from bbio.checkpoint import admin
+
+    bb_root, pfs_root = _ckpt_roots(args)
+    checked = admin.verify(bb_root, pfs_root, args.node, args.name)
+    print(f"{checked} checkpoint file(s) verified (size and CRC32C)")
+    return 0
+
+
+def _cmd_ckpt_drain(args: argparse.Namespace) -> int:
+    from bbio.checkpoint import admin
+
+    bb_root, _ = _ckpt_roots(args)
+    failed = admin.finish(bb_root, args.timeout)
+    for journal in failed:
+        print(f"bbio: error: could not finish draining {journal}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _cmd_ckpt_wait(args: argparse.Namespace) -> int:
+    from bbio.checkpoint import admin
+
+    bb_root, pfs_root = _ckpt_roots(args)
+    step = (
+        args.step
+        if args.step is not None
+        else admin.newest_local_step(bb_root, args.name, args.node)
+    )
+    admin.wait_committed(pfs_root, args.name, step, args.timeout)
+    print(f"checkpoint {args.name} step {step} is committed on the PFS")
+    return 0
+
+
 def _add_transfer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify", action="store_true", help="re-read every copy and compare CRC32C"
@@ -226,6 +281,36 @@ def build_parser() -> argparse.ArgumentParser:
     packer.add_argument("--include", action="append", default=[], metavar="GLOB")
     packer.add_argument("--exclude", action="append", default=[], metavar="GLOB")
     packer.set_defaults(run=_cmd_pack)
+
+    ckpt = commands.add_parser("ckpt", help="checkpoints on this node and the PFS (no MPI)")
+    ckpt_commands = ckpt.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+    for action, help_text, run in (
+        ("ls", "list checkpoints in this node's burst buffer and on the PFS", _cmd_ckpt_ls),
+        ("verify", "re-read checkpoint files and compare CRC32C", _cmd_ckpt_verify),
+        ("drain", "finish draining this node's checkpoints (Slurm epilog)", _cmd_ckpt_drain),
+        ("wait", "wait until a checkpoint is committed on the PFS", _cmd_ckpt_wait),
+    ):
+        sub = ckpt_commands.add_parser(action, help=help_text, description=help_text)
+        sub.add_argument("--bb-root", help="this node's burst buffer (default: configured)")
+        sub.add_argument("--pfs-root", help="the PFS root (default: configured)")
+        sub.add_argument(
+            "--node", type=int, help="virtual node index to expand {node} with (default 0)"
+        )
+        if action in ("ls", "verify"):
+            sub.add_argument("name", nargs="?", help="one checkpointer name (default: all)")
+        if action == "wait":
+            sub.add_argument("name", help="checkpointer name")
+            sub.add_argument("--step", type=int, help="default: the newest in this burst buffer")
+        if action == "drain":
+            sub.add_argument(
+                "--finish",
+                action="store_true",
+                required=True,
+                help="drain everything now, then exit",
+            )
+        if action in ("drain", "wait"):
+            sub.add_argument("--timeout", type=float, help="seconds before giving up")
+        sub.set_defaults(run=run)
     return parser
 
 

@@ -82,6 +82,12 @@ class Config:
     read_max_bytes: int = _setting(
         16 << 20, "Collective reads: the largest single read (larger samples take several)."
     )
+    ckpt_backpressure: str = _setting(
+        "queue",
+        "A save while earlier checkpoints still drain: queue (default, while the burst "
+        "buffer has room), block (wait for the drain) or skip (do not save this one).",
+        choices=("queue", "block", "skip"),
+    )
     replicate_round_bytes: int = _setting(
         64 << 20,
         "Replicate mode: bytes each rank reads from the source per round before the "

@@ -51,6 +51,13 @@ if ! command -v mpicc >/dev/null 2>&1 || [ -z "$hdf5_dir" ] || ! is_parallel_hdf
   On Debian as root, this script installs: $APT_PACKAGES"
     fi
 fi
+# h5dump (tests read checkpoints with it); optional where it cannot be installed
+if ! command -v h5dump >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing h5dump (hdf5-tools)"
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get install -y -q hdf5-tools || { apt-get update -q && apt-get install -y -q hdf5-tools; }; } >/dev/null \
+        || say "hdf5-tools unavailable; the h5dump test will be skipped"
+fi
 is_parallel_hdf5 "$hdf5_dir" || die "HDF5 at '$hdf5_dir' is not built with MPI (H5_HAVE_PARALLEL missing in include/H5pubconf.h); set HDF5_DIR to a parallel HDF5"
 say "MPI: $(command -v mpicc); parallel HDF5: $hdf5_dir"
 

@@ -22,6 +22,8 @@ LAYERS = {
         "bbio.read",
         "bbio.read.plan",
         "bbio.read.sampler",
+        "bbio.checkpoint",
+        "bbio.checkpoint.layout",
     },
     "native": {"bbio._native"},
     "shell": {
@@ -37,6 +39,11 @@ LAYERS = {
         "bbio.stage.registry",
         "bbio.read.datasets",
         "bbio.read.loader",
+        "bbio.checkpoint.writer",
+        "bbio.checkpoint.drain",
+        "bbio.checkpoint.globalview",
+        "bbio.checkpoint.restore",
+        "bbio.checkpoint.checkpointer",
     },
     "entry": {
         "bbio.__main__",
@@ -46,6 +53,8 @@ LAYERS = {
         "bbio.bench.__main__",
         "bbio.bench.copy",
         "bbio.bench.stage",
+        "bbio.bench.read",
+        "bbio.bench._read_mpiio",
         "bbio.bench.plot",
     },
 }

@@ -1,0 +1,134 @@
+"""Checkpoint administration from one node, without MPI: what ``bbio ckpt`` does.
+
+These run in a shell, a Slurm prolog or epilog: they look at one node's burst
+buffer (``bb_root``, already expanded for that node) and at the PFS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from bbio.checkpoint import drain, layout
+from bbio.checkpoint import restore as reader
+from bbio.errors import BBIOTimeoutError, IntegrityError, NotFoundError
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One checkpoint step of one name, as seen from this node."""
+
+    name: str
+    step: int
+    bb: str  # "complete", "-" (this node's copy)
+    pfs: str  # "committed", "draining", "-"
+    queued: bool  # waiting in this node's drain journal
+
+
+def names(bb_root: Path, pfs_root: Path) -> list[str]:
+    """Checkpointer names found on this node's burst buffer or on the PFS."""
+    found = set()
+    for base in (bb_root / layout.CKPT_DIR, pfs_root / layout.CKPT_DIR):
+        if base.is_dir():
+            found.update(p.name for p in base.iterdir() if p.is_dir())
+    return sorted(found)
+
+
+def list_checkpoints(
+    bb_root: Path, pfs_root: Path, node: int, name: str | None = None
+) -> list[Row]:
+    """Every step of every (or one) checkpointer: its state in this node's BB and on the PFS."""
+    from bbio.checkpoint.checkpointer import describe_pfs
+
+    rows = []
+    for n in [name] if name else names(bb_root, pfs_root):
+        bb_dir, pfs_dir = bb_root / layout.CKPT_DIR / n, pfs_root / layout.CKPT_DIR / n
+        local = reader.bb_copies(bb_dir, node)
+        pfs = describe_pfs(pfs_dir)
+        queued = {t.step for t in drain.pending(drain.journal_dir(bb_dir))}
+        for step in sorted(set(local) | set(pfs) | queued):
+            rows.append(
+                Row(
+                    n,
+                    step,
+                    "complete" if step in local else "-",
+                    pfs.get(step, "-"),
+                    step in queued,
+                )
+            )
+    return rows
+
+
+def verify(bb_root: Path, pfs_root: Path, node: int | None = None, name: str | None = None) -> int:
+    """Re-read every committed PFS checkpoint and this node's drained BB copies; count files.
+
+    Raises :class:`IntegrityError` naming every file whose size or CRC32C differs.
+    """
+    problems, checked = [], 0
+    for n in [name] if name else names(bb_root, pfs_root):
+        pfs_dir = pfs_root / layout.CKPT_DIR / n
+        for step in drain.committed_steps(pfs_dir):
+            manifest = reader.pfs_manifest(pfs_dir, step)
+            for entry in manifest["files"] if manifest else []:
+                checked += 1
+                try:
+                    reader.verify_file(
+                        pfs_dir / layout.step_dirname(step) / entry["path"],
+                        entry["size"],
+                        entry["crc32c"],
+                    )
+                except (IntegrityError, OSError) as exc:
+                    problems.append(str(exc))
+        bb_dir = bb_root / layout.CKPT_DIR / n
+        for step, record in sorted(reader.bb_copies(bb_dir, node).items()):
+            if record.get("crc32c") is None:
+                continue  # not drained yet: no file CRC to compare with
+            checked += 1
+            path = bb_dir / layout.step_dirname(step) / layout.node_filename(record["node"])
+            try:
+                reader.verify_file(path, record["size"], record["crc32c"])
+            except (IntegrityError, OSError) as exc:
+                problems.append(str(exc))
+    if problems:
+        raise IntegrityError(f"{len(problems)} checkpoint file(s) differ: " + "; ".join(problems))
+    return checked
+
+
+def finish(bb_root: Path, timeout: float | None) -> list[str]:
+    """Drain every journal of this node to the end (an epilog's job); returns what failed.
+
+    Waits for a drain that is still running, takes over a dead one, retries
+    failures until ``timeout``.  Then commits any checkpoint whose node files
+    are all on the PFS but whose committer died.
+    """
+    failed = []
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for journal in drain.journals(bb_root):
+        left = None if deadline is None else max(deadline - time.monotonic(), 1.0)
+        if drain.run(journal, parent=None, finish=True, timeout=left) != 0:
+            failed.append(str(journal))
+        drain.commit_ready(journal)
+    return failed
+
+
+def wait_committed(pfs_root: Path, name: str, step: int, timeout: float | None) -> None:
+    """Block until checkpoint ``name`` ``step`` is committed on the PFS."""
+    step_dir = pfs_root / layout.CKPT_DIR / name / layout.step_dirname(step)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while drain.read_manifest(step_dir) is None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise BBIOTimeoutError(
+                f"checkpoint {name} step {step} is not committed after {timeout:.0f} s",
+                path=step_dir,
+                hint="is a drain running? 'bbio ckpt drain --finish' runs one",
+            )
+        time.sleep(0.1)
+
+
+def newest_local_step(bb_root: Path, name: str, node: int | None = None) -> int:
+    """The newest step of ``name`` in this node's burst buffer."""
+    copies = reader.bb_copies(bb_root / layout.CKPT_DIR / name, node)
+    if not copies:
+        raise NotFoundError(f"no checkpoint {name!r} in this burst buffer", path=bb_root)
+    return max(copies)

@@ -1,0 +1,519 @@
+"""``Checkpointer``: save to the burst buffer, drain to the PFS in the background, restore.
+
+A save blocks only while the ranks of each node write their node's HDF5 file
+(parallel HDF5) into the node's burst buffer and fsync it.  A drain process per
+node then copies it to the PFS, verifies it and, once every node's file is
+there, commits the checkpoint by writing its manifest last.  A restore takes
+the newest complete checkpoint, from the burst buffers when every node has a
+valid copy, from the PFS otherwise, and skips copies that fail verification.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bbio.checkpoint import drain, layout
+from bbio.checkpoint import restore as reader
+from bbio.checkpoint.writer import describe, file_attrs, global_shapes, write_node_file
+from bbio.config import Config, load_config
+from bbio.errors import BBIOError, BBIOTimeoutError, NotFoundError, UsageError
+from bbio.mpi import agreed, topology
+from bbio.report import format_bytes
+from bbio.transfer import files
+
+log = logging.getLogger("bbio")
+
+FILE_OVERHEAD_BYTES = 1 << 20  # HDF5 metadata, per node file, generously
+
+
+@dataclasses.dataclass
+class SaveHandle:
+    """The state of one save, like an MPI request: ``done()`` and ``wait()``.
+
+    Neither is collective: each rank may ask.  ``skipped`` is True when the
+    save was skipped by the ``skip`` backpressure policy.
+    """
+
+    name: str
+    step: int
+    pfs_step_dir: Path
+    journal: Path
+    nodes: int
+    skipped: bool = False
+    direct: bool = False  # written straight to the PFS (the burst buffer was full)
+
+    def done(self) -> bool:
+        """True once the checkpoint is committed on the PFS (or was skipped)."""
+        return self.skipped or drain.read_manifest(self.pfs_step_dir) is not None
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until :meth:`done`; at ``timeout`` seconds raise :class:`BBIOTimeoutError`.
+
+        The error says which nodes' files are not on the PFS yet and what this
+        node's drain last reported.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done():
+            if deadline is not None and time.monotonic() > deadline:
+                missing = [
+                    n
+                    for n in range(self.nodes)
+                    if not (self.pfs_step_dir / layout.node_record_name(n)).exists()
+                ]
+                status = drain.read_status(self.journal)
+                problem = status.get("error") or "no error reported"
+                raise BBIOTimeoutError(
+                    f"checkpoint {self.name} step {self.step} is not committed on the PFS after "
+                    f"{timeout:.0f} s: node(s) {missing} not drained yet; this node's drain "
+                    f"reports: {problem} ({status.get('retries', 0)} retries)",
+                    path=self.pfs_step_dir,
+                    hint="check that the PFS is writable; 'bbio ckpt drain --finish' completes it",
+                )
+            time.sleep(0.05)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """One step of a checkpointer, as :meth:`Checkpointer.list` sees it."""
+
+    step: int
+    bb: str  # "all nodes", "nodes [0, 2]" or "-"
+    pfs: str  # "committed", "draining" or "-"
+
+
+class Checkpointer:
+    """Checkpoints of one run, named ``name``.
+
+    Collective over ``comm`` (the constructor, :meth:`save`, :meth:`restore`,
+    :meth:`list` and :meth:`close`).  ``bb_root`` and ``pfs_root`` default to the
+    configuration's; ``keep_bb`` and ``keep_pfs`` checkpoints are kept in each
+    tier; ``backpressure`` ("queue", "block" or "skip") defaults to
+    ``ckpt_backpressure``.
+    """
+
+    def __init__(
+        self,
+        comm,
+        name: str,
+        bb_root: str | os.PathLike | None = None,
+        pfs_root: str | os.PathLike | None = None,
+        keep_bb: int = 2,
+        keep_pfs: int = 5,
+        backpressure: str | None = None,
+        config: Config | None = None,
+    ) -> None:
+        config = config or load_config()
+        if "/" in name or not name or name.startswith("."):
+            raise UsageError(
+                f"invalid checkpoint name {name!r}", hint="use a plain name like 'run1'"
+            )
+        if keep_bb < 1 or keep_pfs < 1:
+            raise UsageError(f"keep_bb and keep_pfs must be at least 1 (got {keep_bb}, {keep_pfs})")
+        policy = backpressure or config.ckpt_backpressure
+        if policy not in ("queue", "block", "skip"):
+            raise UsageError(f"backpressure must be queue, block or skip, got {policy!r}")
+        self.name, self.keep_bb, self.keep_pfs, self.backpressure = name, keep_bb, keep_pfs, policy
+        self.comm = comm.Dup()
+        self.topo = topology(self.comm, config.ranks_per_node)
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.node, self.nodes = self.topo.node, self.topo.nodes
+        self.node_ranks = self.topo.node_comm.allgather(self.rank)
+        self.bb_dir = (
+            config.expand(bb_root or config.bb_root, node=self.node) / layout.CKPT_DIR / name
+        )
+        self.pfs_dir = (
+            (config.expand(pfs_root) if pfs_root else config.pfs_dir()) / layout.CKPT_DIR / name
+        )
+        self.journal = drain.journal_dir(self.bb_dir)
+        self._drain: subprocess.Popen | None = None
+        self._said_direct = False
+        with agreed(self.comm, f"checkpointer {name}: preparing the burst buffer"):
+            if self.topo.is_leader:
+                self.journal.mkdir(parents=True, exist_ok=True)
+                (self.journal / drain.STOP).unlink(missing_ok=True)
+                drain.set_target(self.journal, self.pfs_dir, self.nodes, keep_pfs)
+
+    # ---------------------------------------------------------------- save
+
+    def save(self, step: int, arrays: Mapping[str, Any], attrs: Mapping[str, Any] | None = None):
+        """Collective: save ``arrays`` as checkpoint ``step``; returns a :class:`SaveHandle`.
+
+        ``arrays`` maps state keys to this rank's arrays, or all to
+        :class:`bbio.Shard` slices of global arrays.  Returns once the node's
+        file is closed and fsynced in the burst buffer (or, if that is full,
+        once the checkpoint is committed on the PFS).  ``attrs`` must be JSON.
+        """
+        comm = self.comm
+        spec: dict = {}
+        with agreed(comm, f"checkpoint {self.name} step {step}: checking the state"):
+            layout.step_dirname(step)
+            kind = layout.layout_of(arrays)
+            spec = describe(arrays)
+            json.dumps(dict(attrs or {}))
+        kinds = comm.allgather(kind)
+        if len(set(kinds)) != 1:
+            raise UsageError(f"ranks disagree on the layout of checkpoint {step}: {kinds}")
+        all_specs = comm.allgather(spec)
+        shapes = global_shapes(all_specs, kind)
+        handle = SaveHandle(
+            self.name, step, self.pfs_dir / layout.step_dirname(step), self.journal, self.nodes
+        )
+        if self._wait_for_room(handle):
+            return dataclasses.replace(handle, skipped=True)
+        node_bytes = sum(entry["bytes"] for r in self.node_ranks for entry in all_specs[r].values())
+        direct = not self._bb_fits(node_bytes + FILE_OVERHEAD_BYTES)
+        step_dir = (self.pfs_dir if direct else self.bb_dir) / layout.step_dirname(step)
+        when = comm.bcast(time.time(), root=0)
+        with agreed(comm, f"checkpoint {self.name} step {step}: preparing"):
+            self._forget(step)
+            if self.topo.is_leader:
+                step_dir.mkdir(parents=True, exist_ok=True)
+        size = 0
+        with agreed(comm, f"checkpoint {self.name} step {step}: writing"):
+            size = write_node_file(
+                self.topo.node_comm,
+                step_dir / layout.node_filename(self.node),
+                self.rank,
+                arrays,
+                spec,
+                file_attrs(
+                    step,
+                    when,
+                    self.size,
+                    self.nodes,
+                    self.node,
+                    self.node_ranks,
+                    kind,
+                    shapes,
+                    attrs,
+                ),
+            )
+        with agreed(comm, f"checkpoint {self.name} step {step}: recording"):
+            if self.topo.is_leader:
+                self._record(step_dir, step, size, direct)
+        if direct:
+            comm.Barrier()
+            with agreed(comm, f"checkpoint {self.name} step {step}: committing on the PFS"):
+                if self.rank == 0:
+                    drain.try_commit(step_dir, self.nodes, self.keep_pfs)
+            return dataclasses.replace(handle, direct=True)
+        with agreed(comm, f"checkpoint {self.name} step {step}: starting the drain"):
+            if self.topo.is_leader:
+                self._start_drain()
+        return handle
+
+    def _forget(self, step: int) -> None:
+        """Before (re)writing ``step``: drop older copies of it, uncommitting it on the PFS.
+
+        Called on every rank inside an agreed block; only leaders touch files.
+        """
+        name = layout.step_dirname(step)
+        if self.rank == 0:
+            pfs_step = self.pfs_dir / name
+            drain.manifest_path(pfs_step).unlink(missing_ok=True)
+            for n in range(self.nodes):
+                (pfs_step / layout.node_record_name(n)).unlink(missing_ok=True)
+        if self.topo.is_leader:
+            drain.task_path(self.journal, step).unlink(missing_ok=True)
+            for stale in (layout.node_record_name(self.node), layout.node_filename(self.node)):
+                (self.bb_dir / name / stale).unlink(missing_ok=True)
+
+    def _record(self, step_dir: Path, step: int, size: int, direct: bool) -> None:
+        """The node leader's bookkeeping once its node file is durable."""
+        record_path = step_dir / layout.node_record_name(self.node)
+        if direct:  # on the PFS already: record its CRC32C for the commit
+            size, crc = files.checksum_file(step_dir / layout.node_filename(self.node))
+            files.write_json_atomic(record_path, {"size": size, "crc32c": crc, "node": self.node})
+            return
+        files.write_json_atomic(
+            record_path, {"size": size, "crc32c": None, "node": self.node, "complete": True}
+        )
+        drain.add_task(
+            self.journal,
+            drain.Task(
+                self.name,
+                step,
+                self.node,
+                self.nodes,
+                str(step_dir),
+                str(self.pfs_dir / layout.step_dirname(step)),
+                self.keep_pfs,
+            ),
+        )
+
+    def _busy(self) -> bool:
+        """Collective: does any node still have checkpoints to drain?"""
+        mine = bool(drain.pending(self.journal)) if self.topo.is_leader else False
+        return bool(self.comm.allreduce(mine, op=_lor()))
+
+    def _wait_for_room(self, handle: SaveHandle) -> bool:
+        """Collective: apply the backpressure policy; True if this save is to be skipped."""
+        if self.backpressure == "queue" or not self._busy():
+            return False
+        if self.backpressure == "skip":
+            if self.rank == 0:
+                log.warning(
+                    "checkpoint %s step %d skipped: earlier checkpoints are still draining",
+                    self.name,
+                    handle.step,
+                )
+            return True
+        while self._busy():
+            time.sleep(0.05)
+        return False
+
+    def _bb_fits(self, node_bytes: int) -> bool:
+        """Collective: trim drained copies, then check every node's free space."""
+        free = 0
+        with agreed(self.comm, f"checkpoint {self.name}: checking burst-buffer space"):
+            if self.topo.is_leader:
+                self._trim_bb(keep=self.keep_bb - 1)
+                free = files.free_bytes(self.bb_dir)
+        leaders = self.comm.allgather(
+            (self.node, node_bytes <= free, free, node_bytes) if self.topo.is_leader else None
+        )
+        short = [(n, f, b) for n, ok, f, b in (x for x in leaders if x is not None) if not ok]
+        if short and self.rank == 0 and not self._said_direct:
+            n, free_b, need = short[0]
+            log.warning(
+                "checkpoint %s: the burst buffer of node %d cannot hold it (%s needed, %s free): "
+                "writing checkpoints straight to the PFS",
+                self.name,
+                n,
+                format_bytes(need),
+                format_bytes(free_b),
+            )
+        self._said_direct = self._said_direct or bool(short)
+        return not short
+
+    def _trim_bb(self, keep: int) -> None:
+        """Delete this node's oldest BB copies beyond ``keep``, if committed on the PFS."""
+        queued = {t.step for t in drain.pending(self.journal)}
+        copies = sorted(reader.bb_copies(self.bb_dir, self.node))
+        for step in copies[: max(len(copies) - keep, 0)]:
+            pfs_done = reader.pfs_manifest(self.pfs_dir, step) is not None
+            if step in queued or not pfs_done:
+                continue  # still draining, or the only complete copy
+            step_dir = self.bb_dir / layout.step_dirname(step)
+            for name in (layout.node_record_name(self.node), layout.node_filename(self.node)):
+                (step_dir / name).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                step_dir.rmdir()
+
+    def _start_drain(self) -> None:
+        if self._drain is not None and self._drain.poll() is None:
+            return
+        log_file = open(self.journal / "drain.log", "ab")  # noqa: SIM115 (the child keeps it)
+        self._drain = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bbio.checkpoint.drain",
+                "--journal",
+                str(self.journal),
+                "--parent",
+                str(os.getpid()),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            start_new_session=True,  # outlives the training process
+            close_fds=True,
+        )
+        log_file.close()
+
+    # ------------------------------------------------------------- restore
+
+    def restore(
+        self,
+        step: int | None = None,
+        want: Mapping[str, tuple[Sequence[int], Sequence[int]]] | None = None,
+        from_rank: int | None = None,
+    ) -> tuple[int, dict[str, np.ndarray], dict[str, Any]]:
+        """Collective: load the newest complete checkpoint (or ``step``): (step, arrays, attrs).
+
+        By default each rank gets back what it saved, which needs the same
+        rank count.  With global arrays, ``want`` maps keys to the (start,
+        shape) box this rank wants, whatever the rank count; with per-rank
+        arrays, ``from_rank`` picks whose arrays to read.  Copies that fail
+        verification are skipped with a warning naming the file.
+        """
+        comm = self.comm
+        pfs_steps: list[int] = []
+        with agreed(comm, f"checkpoint {self.name}: listing checkpoints"):
+            if self.rank == 0:
+                pfs_steps = drain.committed_steps(self.pfs_dir)
+            local = reader.bb_copies(self.bb_dir, self.node) if self.topo.is_leader else None
+        pfs_steps = comm.bcast(pfs_steps, root=0)
+        per_node = [c for c in comm.allgather(local) if c is not None]
+        on_all_nodes = set.intersection(*(set(c) for c in per_node)) if per_node else set()
+        candidates = sorted(set(pfs_steps) | on_all_nodes, reverse=True)
+        if step is not None:
+            candidates = [s for s in candidates if s == step]
+        for s in candidates:
+            tiers = ["bb"] if s in on_all_nodes and want is None and from_rank is None else []
+            tiers += ["pfs"] if s in pfs_steps else []
+            for tier in tiers:
+                result, problem = self._try_restore(s, tier, want, from_rank)
+                if result is not None:
+                    return result
+                if self.rank == 0:
+                    log.warning(
+                        "checkpoint %s step %d (%s) skipped: %s", self.name, s, tier, problem
+                    )
+        where = f"step {step}" if step is not None else "any step"
+        raise NotFoundError(
+            f"no complete checkpoint {self.name!r} ({where}) in the burst buffers or on the PFS",
+            path=self.pfs_dir,
+            hint="a checkpoint counts once every node's file is durable (and, on the PFS, "
+            "its manifest is written)",
+        )
+
+    def _try_restore(self, step: int, tier: str, want, from_rank):
+        """Collective: (result, None), or (None, the first problem: the same on every rank).
+
+        Verification, then reading; each ends with an agreement, and nothing
+        between them is collective, so a failure on one rank never hangs another.
+        """
+        for phase in (self._verify, self._read):
+            problem = None
+            result = None
+            try:
+                result = phase(step, tier, want, from_rank)
+            except Exception as exc:  # any failure of any rank: agree, then try the next copy
+                problem = (
+                    f"{type(exc).__name__}: {exc}" if not isinstance(exc, BBIOError) else str(exc)
+                )
+            problems = [p for p in self.comm.allgather(problem) if p is not None]
+            if problems:
+                return None, problems[0]
+        return result, None
+
+    def _verify(self, step: int, tier: str, want, from_rank) -> None:
+        """Check the files this rank is responsible for (each file is checked once)."""
+        name = layout.step_dirname(step)
+        if tier == "bb":
+            path = self.bb_dir / name / layout.node_filename(self.node)
+            meta = reader.file_meta(path)
+            if meta["nodes"] != self.nodes or meta["node_ranks"] != self.node_ranks:
+                raise UsageError(f"{path} was written by another layout of ranks")
+            if self.topo.is_leader:
+                record = files.read_json(self.bb_dir / name / layout.node_record_name(self.node))
+                reader.verify_file(path, record.get("size"), record.get("crc32c"))
+            return
+        manifest = reader.pfs_manifest(self.pfs_dir, step)
+        if manifest is None:
+            raise NotFoundError("the checkpoint is no longer committed", path=self.pfs_dir / name)
+        records = {f["path"]: f for f in manifest["files"]}
+        for n in range(self.rank, manifest["nodes"], self.size):
+            entry = records[layout.node_filename(n)]
+            reader.verify_file(self.pfs_dir / name / entry["path"], entry["size"], entry["crc32c"])
+
+    def _read(self, step: int, tier: str, want, from_rank):
+        name = layout.step_dirname(step)
+        if tier == "bb":
+            path = self.bb_dir / name / layout.node_filename(self.node)
+            return step, reader.read_rank(path, self.rank), reader.file_meta(path)["user_attrs"]
+        step_dir = self.pfs_dir / name
+        manifest = reader.pfs_manifest(self.pfs_dir, step)
+        if manifest is None:
+            raise NotFoundError("the checkpoint is no longer committed", path=step_dir)
+        attrs = manifest["attrs"]
+        if want is not None:
+            if manifest["layout"] != layout.GLOBAL:
+                raise UsageError("want= needs a checkpoint of global arrays (Shards)")
+            return step, reader.read_boxes(reader.saved_boxes(manifest, step_dir), want), attrs
+        source_rank = self.rank if from_rank is None else from_rank
+        if from_rank is None and manifest["ranks"] != self.size:
+            raise UsageError(
+                f"checkpoint {step} was saved by {manifest['ranks']} ranks, not {self.size}",
+                hint="pass want= (global arrays) or from_rank= (per-rank arrays)",
+            )
+        if not 0 <= source_rank < manifest["ranks"]:
+            raise UsageError(
+                f"from_rank {source_rank} is not a saved rank (0-{manifest['ranks'] - 1})"
+            )
+        node = manifest["rank_nodes"][source_rank]
+        return step, reader.read_rank(step_dir / layout.node_filename(node), source_rank), attrs
+
+    # -------------------------------------------------------- list, close
+
+    def list(self) -> list[CheckpointInfo]:
+        """Collective: every step in either tier, with its state."""
+        pfs = {}
+        with agreed(self.comm, f"checkpoint {self.name}: listing"):
+            if self.rank == 0:
+                pfs = describe_pfs(self.pfs_dir)
+            local = (
+                sorted(reader.bb_copies(self.bb_dir, self.node)) if self.topo.is_leader else None
+            )
+        pfs = self.comm.bcast(pfs, root=0)
+        per_node = [
+            (n, c) for n, c in enumerate(c for c in self.comm.allgather(local) if c is not None)
+        ]
+        steps = sorted(set(pfs) | {s for _, c in per_node for s in c})
+        infos = []
+        for s in steps:
+            holders = [n for n, c in per_node if s in c]
+            bb = (
+                "all nodes"
+                if len(holders) == self.nodes
+                else (f"nodes {holders}" if holders else "-")
+            )
+            infos.append(CheckpointInfo(s, bb, pfs.get(s, "-")))
+        return infos
+
+    def close(self, wait: bool = True, timeout: float | None = None) -> None:
+        """Collective: optionally wait until every save is committed, then stop the drains."""
+        try:
+            if wait:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                while self._busy():
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise BBIOTimeoutError(
+                            f"checkpoints of {self.name} still draining after {timeout:.0f} s",
+                            hint="'bbio ckpt drain --finish' completes them",
+                        )
+                    time.sleep(0.05)
+        finally:
+            if self.topo.is_leader:
+                files.write_json_atomic(self.journal / drain.STOP, {"time": time.time()})
+                if self._drain is not None and wait:
+                    self._drain.wait()
+            self.topo.free()
+            self.comm.Free()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(wait=exc[0] is None)
+
+
+def describe_pfs(pfs_ckpt_dir: Path) -> dict[int, str]:
+    """Steps on the PFS: committed, or draining (some node files there). Not collective."""
+    states = {}
+    if pfs_ckpt_dir.is_dir():
+        for entry in pfs_ckpt_dir.iterdir():
+            step = layout.parse_step(entry.name)
+            if step is not None:
+                states[step] = "committed" if drain.read_manifest(entry) else "draining"
+    return states
+
+
+def _lor():
+    from mpi4py import MPI
+
+    return MPI.LOR

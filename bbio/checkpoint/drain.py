@@ -1,0 +1,390 @@
+"""The drain: copies finished checkpoint files from a burst buffer to the PFS, then commits.
+
+It runs as a separate process per node and checkpointer (``python -m
+bbio.checkpoint.drain``), started on the first save, in its own session so it
+outlives a crash of the training process; ``bbio ckpt drain --finish`` (a Slurm
+epilog) runs the same code in the foreground.  It never touches MPI.
+
+Its queue is a journal on the burst buffer, ``<bb>/ckpt/<name>/.journal/``:
+one ``task-<step>.json`` per checkpoint to drain, written by the training
+process once the node's file is durable.  An exclusive ``flock`` on
+``drain.lock`` makes one drainer per journal; it is released when the process
+dies.  A task is removed only once its file is on the PFS, verified, recorded,
+and the checkpoint committed if this node was the last, so replaying the
+journal after a crash is idempotent.
+
+For each task: copy ``node-N.h5`` (native copy, CRC32C in the same pass) to
+the PFS under a temporary name, fsync, rename; re-read it from the device and
+compare; write the node's record (size, CRC32C) on the PFS and on the BB; then,
+if every node's record is there, take the commit lock, write ``global.h5``
+(virtual datasets over the node files) and ``manifest.json`` last, and apply
+PFS retention.  Failures are retried with exponential backoff, and reported in
+``status.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fcntl
+import json
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from bbio import _native
+from bbio.checkpoint import layout
+from bbio.errors import BBIOError, IntegrityError, from_oserror
+from bbio.transfer import files
+
+JOURNAL = ".journal"
+LOCK, STATUS, STOP, TARGET = "drain.lock", "status.json", "stop", "target.json"
+COMMIT_LOCK = ".commit.lock"
+MANIFEST = "manifest.json"
+GLOBAL_VIEW = "global.h5"
+MANIFEST_FORMAT = "bbio-checkpoint/1"
+STALE_LOCK_SECONDS = 120.0
+MAX_BACKOFF_SECONDS = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """One node file to drain (the JSON of a journal entry)."""
+
+    name: str
+    step: int
+    node: int
+    nodes: int
+    bb_step_dir: str
+    pfs_step_dir: str
+    keep_pfs: int
+
+    @property
+    def source(self) -> Path:
+        """The node file on the burst buffer."""
+        return Path(self.bb_step_dir) / layout.node_filename(self.node)
+
+    @property
+    def target(self) -> Path:
+        """Where it goes on the PFS."""
+        return Path(self.pfs_step_dir) / layout.node_filename(self.node)
+
+
+def journal_dir(bb_ckpt_dir: Path) -> Path:
+    """The journal of one checkpointer on one node."""
+    return bb_ckpt_dir / JOURNAL
+
+
+def task_path(journal: Path, step: int) -> Path:
+    """The journal entry of a step."""
+    return journal / f"task-{step:08d}.json"
+
+
+def add_task(journal: Path, task: Task) -> None:
+    """Queue ``task`` (durably).  Not collective."""
+    files.write_json_atomic(task_path(journal, task.step), dataclasses.asdict(task))
+
+
+def pending(journal: Path) -> list[Task]:
+    """The queued tasks, oldest step first."""
+    tasks = []
+    for path in sorted(journal.glob("task-*.json")):
+        document = files.read_json(path)
+        if document is not None:
+            tasks.append(Task(**document))
+    return tasks
+
+
+def set_target(journal: Path, pfs_ckpt_dir: Path, nodes: int, keep_pfs: int) -> None:
+    """Record where this journal's checkpoints go (for an epilog that finds them later)."""
+    files.write_json_atomic(
+        journal / TARGET, {"pfs_ckpt_dir": str(pfs_ckpt_dir), "nodes": nodes, "keep_pfs": keep_pfs}
+    )
+
+
+def commit_ready(journal: Path) -> list[int]:
+    """Commit every checkpoint of this journal's target whose node files are all on the PFS.
+
+    Finishes the work of a committer that died.  Returns the steps committed now.
+    """
+    target = files.read_json(journal / TARGET)
+    if target is None:
+        return []
+    ckpt_dir = Path(target["pfs_ckpt_dir"])
+    done = []
+    if ckpt_dir.is_dir():
+        for entry in sorted(ckpt_dir.iterdir()):
+            step = layout.parse_step(entry.name)
+            uncommitted = step is not None and read_manifest(entry) is None
+            if uncommitted and try_commit(entry, target["nodes"], target["keep_pfs"]):
+                done.append(step)
+    return done
+
+
+def read_status(journal: Path) -> dict[str, Any]:
+    """The drain's last report: state, error, retries."""
+    return files.read_json(journal / STATUS) or {}
+
+
+def _write_status(journal: Path, **status: Any) -> None:
+    files.write_json_atomic(journal / STATUS, {"pid": os.getpid(), "time": time.time(), **status})
+
+
+def manifest_path(step_dir: Path) -> Path:
+    """The commit record of a checkpoint on the PFS."""
+    return step_dir / MANIFEST
+
+
+def read_manifest(step_dir: Path) -> dict[str, Any] | None:
+    """The committed manifest of a PFS checkpoint, or None if it is not committed."""
+    document = files.read_json(manifest_path(step_dir))
+    if document is None or document.get("format") != MANIFEST_FORMAT:
+        return None
+    return document
+
+
+# ------------------------------------------------------------------ copying
+
+
+def copy_node_file(task: Task) -> dict[str, int]:
+    """Copy one node file to the PFS, verify it, record it on both sides.  Idempotent."""
+    record_path = Path(task.pfs_step_dir) / layout.node_record_name(task.node)
+    bb_record_path = Path(task.bb_step_dir) / layout.node_record_name(task.node)
+    bb_record = files.read_json(bb_record_path) or {}
+    existing = files.read_json(record_path)
+    if (
+        existing is not None
+        and bb_record.get("crc32c") is not None
+        and existing.get("crc32c") == bb_record["crc32c"]
+        and task.target.exists()
+    ):
+        return existing
+    Path(task.pfs_step_dir).mkdir(parents=True, exist_ok=True)
+    temp = files.temp_path(task.target)
+    result = _native.copy_file(task.source, temp, checksum=True)
+    files.commit([files.Commit(task.target, 0o644, time.time_ns())])
+    size, crc = files.checksum_file(task.target, drop_cache=True)
+    if size != result.nbytes or crc != result.crc32c:
+        raise IntegrityError(
+            f"the copy reads back as {size} bytes, CRC32C {crc:08x}; "
+            f"{result.nbytes} bytes, {result.crc32c:08x} were written",
+            path=task.target,
+            hint="the PFS may be failing; the drain will copy it again",
+        )
+    record = {"size": size, "crc32c": crc, "node": task.node}
+    files.write_json_atomic(record_path, record)
+    files.write_json_atomic(bb_record_path, {**bb_record, **record, "complete": True})
+    return record
+
+
+# --------------------------------------------------------------- committing
+
+
+def _lock_is_stale(lock: Path) -> bool:
+    info = files.read_json(lock) or {}
+    if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
+        try:
+            os.kill(info["pid"], 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    try:
+        return time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS
+    except FileNotFoundError:
+        return True
+
+
+def _take_commit_lock(step_dir: Path) -> Path | None:
+    lock = step_dir / COMMIT_LOCK
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            if not _lock_is_stale(lock):
+                return None
+            lock.unlink(missing_ok=True)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}, f)
+        return lock
+    return None
+
+
+def try_commit(step_dir: Path, nodes: int, keep_pfs: int) -> bool:
+    """Commit the checkpoint in ``step_dir`` if every node's file is there.  Idempotent.
+
+    Returns True if it is committed (now or before).
+    """
+    if read_manifest(step_dir) is not None:
+        return True
+    records = [files.read_json(step_dir / layout.node_record_name(n)) for n in range(nodes)]
+    if any(r is None for r in records):
+        return False
+    lock = _take_commit_lock(step_dir)
+    if lock is None:
+        return False  # another node's drain is committing it
+    try:
+        if read_manifest(step_dir) is not None:
+            return True
+        from bbio.checkpoint.globalview import describe_node_files, write_global_view
+
+        meta = describe_node_files(step_dir, nodes)
+        write_global_view(step_dir / GLOBAL_VIEW, meta)
+        view_size, view_crc = files.checksum_file(step_dir / GLOBAL_VIEW)
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "step": meta["step"],
+            "time": meta["time"],
+            "ranks": meta["ranks"],
+            "nodes": nodes,
+            "layout": meta["layout"],
+            "rank_nodes": meta["rank_nodes"],
+            "global_shapes": meta["global_shapes"],
+            "attrs": meta["user_attrs"],
+            "bbio": meta["bbio"],
+            "files": [{"path": layout.node_filename(n), **records[n]} for n in range(nodes)]
+            + [{"path": GLOBAL_VIEW, "size": view_size, "crc32c": view_crc}],
+        }
+        files.write_json_atomic(manifest_path(step_dir), manifest)
+    finally:
+        lock.unlink(missing_ok=True)
+    apply_pfs_retention(step_dir.parent, keep_pfs)
+    return True
+
+
+def committed_steps(ckpt_dir: Path) -> list[int]:
+    """Steps with a committed manifest under a PFS checkpoint directory, oldest first."""
+    steps = []
+    if ckpt_dir.is_dir():
+        for entry in ckpt_dir.iterdir():
+            step = layout.parse_step(entry.name)
+            if step is not None and read_manifest(entry) is not None:
+                steps.append(step)
+    return sorted(steps)
+
+
+def apply_pfs_retention(ckpt_dir: Path, keep: int) -> list[int]:
+    """Delete committed checkpoints older than the ``keep`` newest.  Returns the steps removed.
+
+    The manifest goes first, so a half-deleted checkpoint is never seen as committed.
+    """
+    removed = []
+    for step in committed_steps(ckpt_dir)[:-keep] if keep > 0 else []:
+        step_dir = ckpt_dir / layout.step_dirname(step)
+        manifest_path(step_dir).unlink(missing_ok=True)
+        files.fsync_dirs([step_dir])
+        _remove_tree(step_dir)
+        removed.append(step)
+    return removed
+
+
+def _remove_tree(path: Path) -> None:
+    if not path.exists():
+        return
+    for child in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
+        if child.is_dir() and not child.is_symlink():
+            child.rmdir()
+        else:
+            child.unlink()
+    path.rmdir()
+
+
+# ------------------------------------------------------------------ the loop
+
+
+def _process(journal: Path, task: Task) -> None:
+    copy_node_file(task)
+    try_commit(Path(task.pfs_step_dir), task.nodes, task.keep_pfs)
+    task_path(journal, task.step).unlink(missing_ok=True)
+
+
+def _parent_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) -> int:
+    """Drain ``journal`` until it is empty (and, in the background, until told to stop).
+
+    Background mode (``finish`` False) exits once the queue is empty and the
+    training process ``parent`` is gone or has asked it to stop.  Finish mode
+    exits when the queue is empty, or with status 1 at ``timeout``.  Returns
+    the exit status.
+    """
+    journal.mkdir(parents=True, exist_ok=True)
+    lock_fd = os.open(journal / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:  # one drainer per journal: wait for (or outlive) any other
+        try:
+            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if not finish:
+                return 0  # another drain is running
+            if deadline is not None and time.monotonic() > deadline:
+                print(f"bbio drain: {journal} is held by another drain", file=sys.stderr)
+                return 1
+            time.sleep(0.2)
+    retries, backoff = 0, 1.0
+    _write_status(journal, state="idle", error=None, retries=0)
+    while True:
+        tasks = pending(journal)
+        if not tasks:
+            if finish or (journal / STOP).exists() or not _parent_alive(parent):
+                _write_status(journal, state="idle", error=None, retries=0)
+                return 0
+            time.sleep(0.1)
+            continue
+        task = tasks[0]
+        try:
+            _write_status(journal, state="copying", step=task.step, error=None, retries=retries)
+            _process(journal, task)
+            retries, backoff = 0, 1.0
+        except (BBIOError, OSError) as exc:
+            retries += 1
+            message = str(
+                exc if isinstance(exc, BBIOError) else from_oserror(exc, "drain", task.target)
+            )
+            _write_status(journal, state="retrying", step=task.step, error=message, retries=retries)
+            print(f"bbio drain: {message} (retry {retries} in {backoff:.0f} s)", file=sys.stderr)
+            if deadline is not None and time.monotonic() + backoff > deadline:
+                return 1
+            time.sleep(backoff)
+            backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+        if deadline is not None and time.monotonic() > deadline:
+            return 1
+
+
+def journals(bb_root: Path) -> Iterable[Path]:
+    """Every checkpointer's journal under a node's burst buffer."""
+    base = bb_root / layout.CKPT_DIR
+    if base.is_dir():
+        for name in sorted(base.iterdir()):
+            if (name / JOURNAL).is_dir():
+                yield name / JOURNAL
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bbio.checkpoint.drain --journal DIR [--parent PID]``: the background drain."""
+    parser = argparse.ArgumentParser(prog="python -m bbio.checkpoint.drain")
+    parser.add_argument("--journal", type=Path, required=True)
+    parser.add_argument("--parent", type=int, help="exit once this process is gone and idle")
+    args = parser.parse_args(argv)
+    return run(args.journal, args.parent, finish=False, timeout=None)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Checkpoint naming and array geometry: pure functions of plain data.
+
+On disk, in a tier root (a node's burst buffer, or the PFS root)::
+
+    ckpt/<name>/step-00000042/node-00000.h5    one HDF5 file per node
+    ckpt/<name>/step-00000042/node-00000.json  its record: size, CRC32C (after the copy)
+    ckpt/<name>/step-00000042/global.h5        PFS only: virtual datasets over the node files
+    ckpt/<name>/step-00000042/manifest.json    PFS only: the commit, written last
+
+Inside a node file, the array of state key ``k`` saved by rank ``r`` is the
+dataset ``/k/r00007`` (N-D, its own shape and dtype), with attributes
+``crc32c`` (of its bytes) and, for slices of global arrays, ``start`` and
+``global_shape``.  The file's root attributes hold the step, the time, the
+rank and node counts, the layout (``per-rank`` or ``global``), the global
+shapes and the bbio version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+from bbio.errors import UsageError
+
+CKPT_DIR = "ckpt"
+PER_RANK, GLOBAL = "per-rank", "global"
+_STEP = re.compile(r"^step-(\d{8,})$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """A rank's slice of a global array: ``data`` sits at ``start`` in ``global_shape``."""
+
+    data: np.ndarray
+    start: tuple[int, ...]
+    global_shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        data = np.asarray(self.data)
+        start, shape = tuple(int(s) for s in self.start), tuple(int(s) for s in self.global_shape)
+        if not (len(start) == len(shape) == data.ndim):
+            raise UsageError(
+                f"a Shard needs start and global_shape with one entry per dimension of its "
+                f"data ({data.ndim}), got {start} and {shape}"
+            )
+        if any(s < 0 or s + n > g for s, n, g in zip(start, data.shape, shape, strict=True)):
+            raise UsageError(f"a Shard of shape {data.shape} at {start} does not fit in {shape}")
+        object.__setattr__(self, "data", data)
+        object.__setattr__(self, "start", start)
+        object.__setattr__(self, "global_shape", shape)
+
+
+def step_dirname(step: int) -> str:
+    """``step-00000042``."""
+    if step < 0:
+        raise UsageError(f"checkpoint steps are non-negative integers, got {step}")
+    return f"step-{step:08d}"
+
+
+def parse_step(dirname: str) -> int | None:
+    """The step of a ``step-NNNNNNNN`` directory name, else None."""
+    match = _STEP.match(dirname)
+    return int(match.group(1)) if match else None
+
+
+def node_filename(node: int) -> str:
+    """``node-00003.h5``."""
+    return f"node-{node:05d}.h5"
+
+
+def node_record_name(node: int) -> str:
+    """``node-00003.json``: the record of a node file (size and CRC32C)."""
+    return f"node-{node:05d}.json"
+
+
+def nodes_in(step_dir) -> list[int]:
+    """The node indexes whose records are in a step directory."""
+    found = []
+    for path in step_dir.glob("node-*.json"):
+        match = re.match(r"^node-(\d+)\.json$", path.name)
+        if match:
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def rank_dataset(key: str, rank: int) -> str:
+    """Path of rank ``rank``'s array of ``key`` inside a node file."""
+    return f"{key}/r{rank:05d}"
+
+
+def layout_of(arrays: Mapping[str, object]) -> str:
+    """``global`` if every value is a :class:`Shard`, ``per-rank`` if none is."""
+    shards = [isinstance(v, Shard) for v in arrays.values()]
+    if shards and all(shards):
+        return GLOBAL
+    if not any(shards):
+        return PER_RANK
+    raise UsageError(
+        "a checkpoint's arrays are either all per-rank arrays or all Shards of global arrays"
+    )
+
+
+def check_key(key: str) -> str:
+    """A state key usable as an HDF5 dataset name."""
+    if not key or key.startswith("/") or key.endswith("/") or "//" in key or key in (".", ".."):
+        raise UsageError(
+            f"invalid state key {key!r}", hint="use names like 'model/layer1.weight' (no leading /)"
+        )
+    return key
+
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, shape)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The intersection of two boxes (start, shape), or None if they do not overlap."""
+    start = tuple(max(s1, s2) for s1, s2 in zip(a[0], b[0], strict=True))
+    end = tuple(
+        min(s1 + n1, s2 + n2) for s1, n1, s2, n2 in zip(a[0], a[1], b[0], b[1], strict=True)
+    )
+    if any(e <= s for s, e in zip(start, end, strict=True)):
+        return None
+    return start, tuple(e - s for s, e in zip(start, end, strict=True))
+
+
+def covers(wanted: Box, pieces: Sequence[Box]) -> bool:
+    """True if the (disjoint) ``pieces`` together cover all of ``wanted``."""
+    covered = 0
+    for piece in pieces:
+        overlap = intersect(wanted, piece)
+        if overlap is not None:
+            covered += int(np.prod(overlap[1], dtype=np.int64))
+    return covered == int(np.prod(wanted[1], dtype=np.int64))
+
+
+def local_slices(box: Box, within: Box) -> tuple[slice, ...]:
+    """The slices that select ``box`` inside an array that holds ``within``."""
+    return tuple(slice(s - w, s - w + n) for s, n, w in zip(box[0], box[1], within[0], strict=True))

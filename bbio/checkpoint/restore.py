@@ -1,0 +1,148 @@
+"""Reading checkpoints back: finding complete copies, verifying them, resharding.
+
+Not collective by themselves: :class:`bbio.Checkpointer` calls these on the
+ranks that need them and agrees on the outcome.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bbio import _native
+from bbio.checkpoint import layout
+from bbio.checkpoint.drain import read_manifest
+from bbio.errors import IntegrityError, UsageError
+from bbio.transfer import files
+
+
+def bb_copies(bb_ckpt_dir: Path, node: int | None) -> dict[int, dict[str, Any]]:
+    """Steps whose node file is complete in this burst buffer: {step: record}.
+
+    ``node`` None accepts any node's file (a shell on a real node does not know
+    its node index).
+    """
+    found = {}
+    if bb_ckpt_dir.is_dir():
+        for entry in bb_ckpt_dir.iterdir():
+            step = layout.parse_step(entry.name)
+            if step is None:
+                continue
+            nodes = [node] if node is not None else layout.nodes_in(entry)
+            for n in nodes:
+                record = files.read_json(entry / layout.node_record_name(n))
+                if record and record.get("complete") and (entry / layout.node_filename(n)).exists():
+                    found[step] = {**record, "node": n}
+                    break
+    return found
+
+
+def verify_file(path: Path, size: int | None, crc: int | None) -> None:
+    """Raise IntegrityError unless ``path`` has ``size`` bytes and CRC32C ``crc`` (when known)."""
+    if crc is None:
+        return
+    got_size, got_crc = files.checksum_file(path, drop_cache=True)
+    if got_size != size or got_crc != crc:
+        raise IntegrityError(
+            f"checkpoint file has {got_size} bytes, CRC32C {got_crc:08x}; expected {size} bytes, "
+            f"{crc:08x}",
+            path=path,
+        )
+
+
+def file_meta(path: Path) -> dict[str, Any]:
+    """The root attributes of a node file, decoded."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        attrs = dict(f.attrs)
+    return {
+        "step": int(attrs["step"]),
+        "ranks": int(attrs["ranks"]),
+        "nodes": int(attrs["nodes"]),
+        "node_ranks": [int(r) for r in attrs["node_ranks"]],
+        "layout": str(attrs["layout"]),
+        "global_shapes": json.loads(attrs["global_shapes"]),
+        "user_attrs": json.loads(attrs["user_attrs"]),
+    }
+
+
+def _checked(dataset, path: Path) -> np.ndarray:
+    data = dataset[()]
+    data = np.asarray(data)
+    crc = _native.crc32c(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
+    recorded = int(dataset.attrs["crc32c"])
+    if crc != recorded:
+        raise IntegrityError(
+            f"dataset {dataset.name} has CRC32C {crc:08x}, recorded {recorded:08x}", path=path
+        )
+    return data
+
+
+def read_rank(path: Path, rank: int) -> dict[str, np.ndarray]:
+    """Every array rank ``rank`` saved, from the node file at ``path``, CRC-checked."""
+    import h5py
+
+    arrays: dict[str, np.ndarray] = {}
+    suffix = f"/r{rank:05d}"
+    with h5py.File(path, "r") as f:
+
+        def visit(name: str, obj) -> None:
+            if isinstance(obj, h5py.Dataset) and name.endswith(suffix):
+                arrays[name[: -len(suffix)]] = _checked(obj, path)
+
+        f.visititems(visit)
+    return arrays
+
+
+def saved_boxes(manifest: Mapping[str, Any], step_dir: Path) -> dict[str, list[tuple]]:
+    """For each key of a global checkpoint: [(node file, dataset, box, dtype)] of every slice."""
+    import h5py
+
+    boxes: dict[str, list[tuple]] = {}
+    for n in range(manifest["nodes"]):
+        path = step_dir / layout.node_filename(n)
+        with h5py.File(path, "r") as f:
+
+            def visit(name: str, obj, path=path) -> None:
+                if isinstance(obj, h5py.Dataset):
+                    key = name.rpartition("/r")[0]
+                    box = (tuple(int(s) for s in obj.attrs["start"]), tuple(obj.shape))
+                    boxes.setdefault(key, []).append((path, name, box, obj.dtype.str))
+
+            f.visititems(visit)
+    return boxes
+
+
+def read_boxes(
+    boxes: Mapping[str, list[tuple]], want: Mapping[str, tuple[Sequence[int], Sequence[int]]]
+) -> dict[str, np.ndarray]:
+    """Assemble each wanted box (start, shape) of each key from the saved slices."""
+    import h5py
+
+    out: dict[str, np.ndarray] = {}
+    for key, (start, shape) in want.items():
+        if key not in boxes:
+            raise UsageError(f"the checkpoint has no state {key!r}", hint=f"keys: {sorted(boxes)}")
+        wanted = (tuple(int(s) for s in start), tuple(int(s) for s in shape))
+        if not layout.covers(wanted, [b for _, _, b, _ in boxes[key]]):
+            raise UsageError(f"the box {wanted} of {key!r} is not (all) inside the saved array")
+        result = np.empty(wanted[1], dtype=boxes[key][0][3])
+        for path, name, box, _ in boxes[key]:
+            overlap = layout.intersect(wanted, box)
+            if overlap is None:
+                continue
+            with h5py.File(path, "r") as f:
+                piece = f[name][layout.local_slices(overlap, box)]
+            result[layout.local_slices(overlap, wanted)] = piece
+        out[key] = result
+    return out
+
+
+def pfs_manifest(pfs_ckpt_dir: Path, step: int) -> dict[str, Any] | None:
+    """The committed manifest of ``step`` on the PFS, if any."""
+    return read_manifest(pfs_ckpt_dir / layout.step_dirname(step))

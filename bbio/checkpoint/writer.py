@@ -1,0 +1,149 @@
+"""Writing one checkpoint file per node, collectively, with parallel HDF5.
+
+The ranks of a node open the node's file together (h5py, driver ``mpio``, on
+the node communicator), create every rank's datasets collectively (HDF5
+metadata changes must be collective), then each writes its own arrays.  The
+file is written under a temporary name, fsynced, then renamed; its record is
+written last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bbio import _native
+from bbio._version import __version__
+from bbio.checkpoint.layout import GLOBAL, Shard, check_key, rank_dataset
+from bbio.errors import DependencyError, UsageError
+from bbio.transfer import files
+
+
+def _h5py():
+    try:
+        import h5py
+    except ImportError as exc:
+        raise DependencyError("checkpoints need h5py", hint="run 'make setup'") from exc
+    if not h5py.get_config().mpi:
+        raise DependencyError(
+            "h5py was built without MPI: checkpoints need parallel HDF5 (driver 'mpio')",
+            hint="rebuild h5py with HDF5_MPI=ON against a parallel HDF5 ('make setup' does)",
+        )
+    return h5py
+
+
+def describe(arrays: Mapping[str, Any]) -> dict[str, dict]:
+    """Shape, dtype, CRC32C and (for Shards) placement of each of this rank's arrays."""
+    spec = {}
+    for key, value in arrays.items():
+        check_key(key)
+        data = value.data if isinstance(value, Shard) else np.asarray(value)
+        if data.dtype.hasobject or data.dtype.kind == "U":
+            raise UsageError(
+                f"state {key!r} has dtype {data.dtype}, which HDF5 cannot store",
+                hint="store numbers, bytes ('S') or raw bytes (np.frombuffer(b, np.uint8))",
+            )
+        entry: dict[str, Any] = {
+            "shape": list(data.shape),
+            "dtype": data.dtype.str,
+            "crc32c": _native.crc32c(np.ascontiguousarray(data).view(np.uint8).reshape(-1)),
+            "bytes": int(data.nbytes),
+        }
+        if isinstance(value, Shard):
+            entry["start"] = list(value.start)
+            entry["global_shape"] = list(value.global_shape)
+        spec[key] = entry
+    return spec
+
+
+def write_node_file(
+    node_comm,
+    path: Path,
+    rank: int,
+    arrays: Mapping[str, Any],
+    spec: Mapping[str, dict],
+    attrs: Mapping[str, Any],
+) -> int:
+    """Collective over ``node_comm``: write the node's checkpoint file at ``path``.
+
+    ``rank`` is this rank's rank in the job; ``spec`` its :func:`describe`;
+    ``attrs`` the file's root attributes (the same on every rank).  Returns
+    the file's size once it is durable under its final name.
+    """
+    h5py = _h5py()
+    everyone = node_comm.allgather((rank, dict(spec)))
+    temp = files.temp_path(path)
+    with h5py.File(temp, "w", driver="mpio", comm=node_comm) as f:
+        for name, value in attrs.items():
+            f.attrs[name] = value
+        for owner, owner_spec in everyone:
+            for key, entry in owner_spec.items():
+                dataset = f.create_dataset(
+                    rank_dataset(key, owner), shape=tuple(entry["shape"]), dtype=entry["dtype"]
+                )
+                dataset.attrs["crc32c"] = entry["crc32c"]
+                if "start" in entry:
+                    dataset.attrs["start"] = entry["start"]
+                    dataset.attrs["global_shape"] = entry["global_shape"]
+        for key, value in arrays.items():
+            data = value.data if isinstance(value, Shard) else np.asarray(value)
+            if data.size:
+                f[rank_dataset(key, rank)][...] = data
+    node_comm.Barrier()
+    size = 0
+    if node_comm.Get_rank() == 0:
+        fd = os.open(temp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        os.replace(temp, path)
+        files.fsync_dirs([path.parent])
+    return node_comm.bcast(size, root=0)
+
+
+def file_attrs(
+    step: int,
+    when: float,
+    ranks: int,
+    nodes: int,
+    node: int,
+    node_ranks: list[int],
+    layout: str,
+    global_shapes: Mapping[str, list[int]],
+    user_attrs: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The root attributes of a node file (JSON-encoded where HDF5 has no type for them)."""
+    return {
+        "step": step,
+        "time": when,
+        "ranks": ranks,
+        "nodes": nodes,
+        "node": node,
+        "node_ranks": node_ranks,
+        "layout": layout,
+        "global_shapes": json.dumps(dict(global_shapes) if layout == GLOBAL else {}),
+        "user_attrs": json.dumps(dict(user_attrs or {})),
+        "bbio": __version__,
+    }
+
+
+def global_shapes(all_specs: list[dict[str, dict]], arrays_layout: str) -> dict[str, list[int]]:
+    """The global shape of every key (global layout), checked to agree across ranks."""
+    shapes: dict[str, list[int]] = {}
+    if arrays_layout != GLOBAL:
+        return shapes
+    for spec in all_specs:
+        for key, entry in spec.items():
+            if shapes.setdefault(key, entry["global_shape"]) != entry["global_shape"]:
+                raise UsageError(
+                    f"ranks disagree on the global shape of {key!r}: "
+                    f"{shapes[key]} and {entry['global_shape']}"
+                )
+    return shapes

@@ -1,0 +1,295 @@
+"""Checkpoints on 2 or 4 ranks in 2 virtual nodes: real parallel HDF5, real drain processes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+import bbio
+from bbio.checkpoint import admin, drain, layout
+from bbio.config import Config
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def config_for(comm, tmp: Path, **settings) -> Config:
+    values = {
+        "bb_root": str(tmp / "bb" / "{node}"),
+        "pfs_root": str(tmp / "pfs"),
+        "ranks_per_node": comm.Get_size() // 2,
+        "progress": "never",
+        **settings,
+    }
+    return Config(**values)
+
+
+def state(step: int, rank: int, rows: int = 100) -> dict:
+    rng = np.random.default_rng(step * 100 + rank)
+    return {
+        "model/w": rng.standard_normal((rows, 8)).astype(np.float32),
+        "model/b": rng.integers(0, 1 << 30, 17).astype(np.int64),
+        "optimizer/step": np.int64(step),
+        "rng_state": np.frombuffer(rng.bytes(32), dtype=np.uint8).copy(),
+        "empty": np.zeros((0, 3), dtype=np.float64),
+    }
+
+
+def same(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(
+        np.asarray(a[k]).tobytes() == np.asarray(b[k]).tobytes()
+        and np.asarray(a[k]).shape == np.asarray(b[k]).shape
+        for k in a
+    )
+
+
+def leader(comm) -> bool:
+    return comm.Get_rank() % (comm.Get_size() // 2) == 0
+
+
+def node_of(comm) -> int:
+    return comm.Get_rank() // (comm.Get_size() // 2)
+
+
+def test_save_drain_commit_and_restore_per_rank_state(comm, shared_tmp):
+    config = config_for(comm, shared_tmp)
+    rank = comm.Get_rank()
+    with bbio.Checkpointer(comm, "run", keep_bb=2, keep_pfs=2, config=config) as ckpt:
+        for step in (10, 20, 30):
+            handle = ckpt.save(step, state(step, rank), attrs={"lr": step / 100})
+            assert isinstance(handle, bbio.SaveHandle) and not handle.skipped
+        handle.wait(timeout=60)
+        assert handle.done()
+        ckpt_states = {i.step: i for i in ckpt.list()}
+        step, arrays, attrs = ckpt.restore()
+        assert step == 30 and attrs == {"lr": 0.3}
+        assert same(arrays, state(30, rank))
+        step, arrays, _ = ckpt.restore(step=20)
+        assert step == 20 and same(arrays, state(20, rank))
+    pfs = shared_tmp / "pfs" / "ckpt" / "run"
+    assert drain.committed_steps(pfs) == [20, 30]  # keep_pfs
+    assert ckpt_states[30].pfs == "committed" and ckpt_states[30].bb == "all nodes"
+    manifest = json.loads((pfs / "step-00000030" / "manifest.json").read_text())
+    assert manifest["ranks"] == comm.Get_size() and manifest["nodes"] == 2
+    assert manifest["layout"] == layout.PER_RANK
+    assert {f["path"] for f in manifest["files"]} == {"node-00000.h5", "node-00001.h5", "global.h5"}
+    with h5py.File(pfs / "step-00000030" / "global.h5", "r") as f:  # plain h5py, no bbio
+        assert np.array_equal(f[f"model/w/r{rank:05d}"][:], state(30, rank)["model/w"])
+        assert int(f[f"optimizer/step/r{rank:05d}"][()]) == 30
+
+
+def test_global_arrays_restore_any_slice_with_fewer_ranks(comm, shared_tmp):
+    config = config_for(comm, shared_tmp)
+    size, rank = comm.Get_size(), comm.Get_rank()
+    full = np.arange(size * 6 * 5, dtype=np.float64).reshape(size * 6, 5)
+    mine = {"weights": bbio.Shard(full[rank * 6 : (rank + 1) * 6], (rank * 6, 0), full.shape)}
+    with bbio.Checkpointer(comm, "g", config=config) as ckpt:
+        ckpt.save(1, mine).wait(timeout=60)
+        _, back, _ = ckpt.restore()
+        assert np.array_equal(back["weights"], full[rank * 6 : (rank + 1) * 6])
+    half = comm.Split(0 if rank < size // 2 else 1, rank)  # a restart with half the ranks
+    if rank < size // 2:
+        small = config_for(half, shared_tmp, ranks_per_node=1)
+        with bbio.Checkpointer(half, "g", config=small) as again:
+            box = ((rank * 5 + 1, 2), (7, 3))
+            step, back, _ = again.restore(want={"weights": box})
+            assert step == 1
+            assert np.array_equal(back["weights"], full[rank * 5 + 1 : rank * 5 + 8, 2:5])
+            with pytest.raises(bbio.NotFoundError):  # per-rank defaults need the same rank count
+                again.restore()
+    half.Free()
+    if rank == 0:
+        dumped = subprocess.run(
+            ["h5dump", "-d", "weights", str(shared_tmp / "pfs/ckpt/g/step-00000001/global.h5")],
+            capture_output=True,
+            text=True,
+        )
+        if dumped.returncode == 0 or "not found" not in dumped.stderr:
+            assert dumped.returncode == 0, dumped.stderr
+            assert f"({size * 6 - 1},0): {full[-1, 0]:g}" in dumped.stdout.replace(".0,", ",")
+
+
+def test_a_corrupt_burst_buffer_copy_is_skipped_for_the_pfs_copy(comm, shared_tmp, caplog):
+    config = config_for(comm, shared_tmp)
+    rank = comm.Get_rank()
+    with bbio.Checkpointer(comm, "c", config=config) as ckpt:
+        ckpt.save(5, state(5, rank, rows=20000)).wait(timeout=60)
+        victim = shared_tmp / "bb" / "1" / "ckpt" / "c" / "step-00000005" / "node-00001.h5"
+        comm.Barrier()
+        if rank == 0:
+            size = victim.stat().st_size
+            with open(victim, "r+b") as f:  # one byte, in the data of the arrays
+                f.seek(size - 5000)
+                byte = f.read(1)
+                f.seek(size - 5000)
+                f.write(bytes([byte[0] ^ 0x01]))
+        comm.Barrier()
+        with caplog.at_level(logging.WARNING, logger="bbio"):
+            step, arrays, _ = ckpt.restore()
+        assert step == 5 and same(arrays, state(5, rank, rows=20000))
+        if rank == 0:
+            assert "(bb) skipped" in caplog.text and "node-00001.h5" in caplog.text
+
+
+def test_a_partial_checkpoint_is_never_restored(comm, shared_tmp):
+    """What a rank killed during save leaves: a node file without its record, no manifest."""
+    config = config_for(comm, shared_tmp)
+    rank = comm.Get_rank()
+    with bbio.Checkpointer(comm, "p", config=config) as ckpt:
+        ckpt.save(1, state(1, rank)).wait(timeout=60)
+        comm.Barrier()
+        if rank == 0:  # node 1 died while writing step 2: only a temporary file on its BB
+            step2 = shared_tmp / "bb" / "1" / "ckpt" / "p" / "step-00000002"
+            step2.mkdir()
+            (step2 / ".node-00001.h5.bbio-part").write_bytes(b"half written")
+            step2_0 = shared_tmp / "bb" / "0" / "ckpt" / "p" / "step-00000002"
+            step2_0.mkdir()
+            (step2_0 / "node-00000.h5").write_bytes(b"complete on node 0 only, no record")
+        comm.Barrier()
+        step, arrays, _ = ckpt.restore()
+        assert step == 1 and same(arrays, state(1, rank))
+
+
+def test_backpressure_skip_and_block(comm, shared_tmp):
+    rank = comm.Get_rank()
+    config = config_for(comm, shared_tmp)
+    big = {"x": np.ones(4 << 20, dtype=np.uint8)}
+    with bbio.Checkpointer(comm, "s", backpressure="skip", config=config) as ckpt:
+        first = ckpt.save(1, big)
+        second = ckpt.save(2, big)  # the first is (almost surely) still draining
+        first.wait(timeout=60)
+        if second.skipped:
+            assert second.done()
+        else:
+            second.wait(timeout=60)
+        assert comm.allgather(second.skipped) == [second.skipped] * comm.Get_size()
+    with bbio.Checkpointer(comm, "b", backpressure="block", config=config) as ckpt:
+        ckpt.save(1, big)
+        ckpt.save(2, big)  # waits for step 1 to drain first
+        assert (shared_tmp / "pfs" / "ckpt" / "b" / "step-00000001" / "manifest.json").exists()
+    assert rank >= 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting small file systems needs root")
+def test_full_burst_buffer_writes_straight_to_the_pfs(comm, shared_tmp, caplog):
+    small = shared_tmp / "tinybb"
+    if comm.Get_rank() == 0:
+        small.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(small)], check=True)
+    comm.Barrier()
+    try:
+        config = config_for(comm, shared_tmp, bb_root=str(small / "{node}"))
+        with bbio.Checkpointer(comm, "f", config=config) as ckpt:
+            with caplog.at_level(logging.WARNING, logger="bbio"):
+                handle = ckpt.save(1, state(1, comm.Get_rank(), rows=100_000))
+            assert handle.direct and handle.done()
+            if comm.Get_rank() == 0:
+                assert "cannot hold it" in caplog.text and "straight to the PFS" in caplog.text
+            step, arrays, _ = ckpt.restore()
+            assert step == 1 and same(arrays, state(1, comm.Get_rank(), rows=100_000))
+    finally:
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            subprocess.run(["umount", "--lazy", str(small)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a read-only mount needs root")
+def test_unwritable_pfs_save_succeeds_drain_retries_wait_times_out(comm, shared_tmp):
+    pfs = shared_tmp / "ropfs"
+    if comm.Get_rank() == 0:
+        pfs.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64m", "tmpfs", str(pfs)], check=True)
+    comm.Barrier()
+    try:
+        config = config_for(comm, shared_tmp, pfs_root=str(pfs))
+        with bbio.Checkpointer(comm, "ro", config=config) as ckpt:
+            handle = ckpt.save(7, state(7, comm.Get_rank()))
+            with pytest.raises(bbio.BBIOTimeoutError) as info:
+                handle.wait(timeout=3)
+            assert "not committed on the PFS after 3 s" in str(info.value)
+            assert "Read-only file system" in str(info.value)
+            comm.Barrier()
+            if comm.Get_rank() == 0:
+                subprocess.run(["mount", "-o", "remount,rw", str(pfs)], check=True)
+            comm.Barrier()
+            handle.wait(timeout=60)  # the drain's retries get through
+            step, arrays, _ = ckpt.restore()
+            assert step == 7 and same(arrays, state(7, comm.Get_rank()))
+    finally:
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            subprocess.run(["umount", "--lazy", str(pfs)], check=True)
+
+
+def test_drain_killed_mid_copy_is_finished_by_the_epilog(comm, shared_tmp):
+    config = config_for(comm, shared_tmp)
+    rank = comm.Get_rank()
+    big = {"x": np.full(96 << 20, rank, dtype=np.uint8)}  # 96 MiB per rank
+    ckpt = bbio.Checkpointer(comm, "k", config=config)
+    ckpt.save(3, big)
+    journal = shared_tmp / "bb" / str(node_of(comm)) / "ckpt" / "k" / ".journal"
+    killed = False
+    if leader(comm):
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status = drain.read_status(journal)
+            if status.get("state") == "copying" and drain.pending(journal):
+                os.kill(status["pid"], signal.SIGKILL)
+                killed = True
+                break
+            time.sleep(0.002)
+    assert comm.allreduce(killed) >= 1, "no drain was caught copying"
+    comm.Barrier()
+    if leader(comm):  # the Slurm epilog of each node
+        assert admin.finish(shared_tmp / "bb" / str(node_of(comm)), timeout=60) == []
+    comm.Barrier()
+    pfs = shared_tmp / "pfs" / "ckpt" / "k"
+    assert drain.committed_steps(pfs) == [3]
+    assert not list(pfs.rglob("*.bbio-part"))
+    step, arrays, _ = ckpt.restore()
+    assert step == 3 and np.array_equal(arrays["x"], big["x"])
+    ckpt.close()
+    if rank == 0:
+        assert admin.verify(shared_tmp / "bb" / "0", shared_tmp / "pfs", name="k") == 4
+
+
+def test_resaving_a_step_replaces_it(comm, shared_tmp):
+    config = config_for(comm, shared_tmp)
+    rank = comm.Get_rank()
+    with bbio.Checkpointer(comm, "again", config=config) as ckpt:
+        ckpt.save(4, state(4, rank)).wait(timeout=60)
+        ckpt.save(4, state(40, rank)).wait(timeout=60)
+        step, arrays, _ = ckpt.restore()
+        assert step == 4 and same(arrays, state(40, rank))
+        comm.Barrier()
+        if (
+            rank == 0
+        ):  # the burst buffers go away (new allocation): the PFS copy must be the new one
+            for node in (0, 1):
+                for f in (shared_tmp / "bb" / str(node) / "ckpt" / "again").glob("step-*/*"):
+                    f.unlink()
+        comm.Barrier()
+        step, arrays, _ = ckpt.restore()
+        assert step == 4 and same(arrays, state(40, rank))
+
+
+def test_bad_state_is_the_same_clear_error_everywhere(comm, shared_tmp):
+    config = config_for(comm, shared_tmp)
+    with bbio.Checkpointer(comm, "bad", config=config) as ckpt:
+        arrays = {"ok": np.zeros(3)}
+        if comm.Get_rank() == 1:
+            arrays = {"text": np.array(["not", "storable"])}
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.save(1, arrays)
+        assert "cannot store" in str(info.value)
+        assert comm.allgather(str(info.value)) == [str(info.value)] * comm.Get_size()
+        with pytest.raises(bbio.NotFoundError, match="no complete checkpoint"):
+            ckpt.restore()
