@@ -44,6 +44,7 @@ LAYERS = {
         "bbio.checkpoint.globalview",
         "bbio.checkpoint.restore",
         "bbio.checkpoint.checkpointer",
+        "bbio.checkpoint.admin",
     },
     "entry": {
         "bbio.__main__",
