@@ -26,7 +26,7 @@ $(READY): scripts/setup-env.sh setup.py pyproject.toml $(CSRC)
 	touch $@
 
 demo: $(READY)
-	$(TIMEOUT) 900 $(MPIRUN) -n $(NP) $(PY) -m bbio.demo
+	$(TIMEOUT) 900 $(PY) -m bbio.demo --launcher "$(MPIRUN) -n $(NP)"
 
 test: $(READY) lint cwarn test-serial test-mpi
 

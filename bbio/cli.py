@@ -161,11 +161,15 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     return _run_collective(args, call)
 
 
+def _bb_root(args: argparse.Namespace):
+    config = load_config(args.config)
+    return config.expand(args.bb_root or config.bb_root, node=args.node or 0)
+
+
 def _ckpt_roots(args: argparse.Namespace):
     config = load_config(args.config)
-    bb_root = config.expand(args.bb_root or config.bb_root, node=args.node or 0)
     pfs_root = config.expand(args.pfs_root) if args.pfs_root else config.pfs_dir()
-    return bb_root, pfs_root
+    return _bb_root(args), pfs_root
 
 
 def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
@@ -195,8 +199,7 @@ def _cmd_ckpt_verify(args: argparse.Namespace) -> int:
 def _cmd_ckpt_drain(args: argparse.Namespace) -> int:
     from bbio.checkpoint import admin
 
-    bb_root, _ = _ckpt_roots(args)
-    failed = admin.finish(bb_root, args.timeout)
+    failed = admin.finish(_bb_root(args), args.timeout)
     for journal in failed:
         print(f"bbio: error: could not finish draining {journal}", file=sys.stderr)
     return 1 if failed else 0

@@ -50,6 +50,8 @@ LAYERS = {
         "bbio.__main__",
         "bbio.cli",
         "bbio.demo",
+        "bbio.demo.__main__",
+        "bbio.demo.job",
         "bbio.bench",
         "bbio.bench.__main__",
         "bbio.bench.copy",

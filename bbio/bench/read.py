@@ -17,14 +17,14 @@ Each dataset is a raw file of fixed-size samples plus the same bytes as an
 HDF5 file (one contiguous 2-D uint8 dataset ``samples``, shape (N,
 sample_bytes)); the first 8 bytes of sample i hold i (little-endian), so every
 system's bytes are checked (untimed) after every step.  N is
-``--file-size`` / sample bytes (full: 2 GiB, ``--quick``: 256 MiB), at least
+``--file-size`` / sample bytes (full: 2 GiB, ``--quick``: 128 MiB), at least
 what the run reads.  The files live in ``PFS/bbio-bench-read/`` (``--pfs``;
 default a temporary directory on local disk, removed at the end), with a
 marker file per case: a later run with the same sizes reuses them.
 
 Every system reads exactly the same ids: at step s, rank r reads
 ``epoch_batches(N, ranks, batch, seed, 0, shuffle=True, drop_last=True)[s][r]``
-(a global shuffle), for ``--steps`` steps (full 20, ``--quick`` 5).  Before
+(a global shuffle), for ``--steps`` steps (full 20, ``--quick`` 4).  Before
 its steps, each system reads one sample per rank of the epoch's last step,
 untimed (first calls load code lazily: bbio's first read imports
 ``numpy.ma``, 0.4 MB of ``.pyc`` per rank).  Systems:
@@ -133,7 +133,7 @@ IN_PROCESS = (
 MPIIO = {"romio": "romio321", "ompio": "ompio"}
 ALL_SYSTEMS = (*IN_PROCESS, *MPIIO)
 FULL = {"file_size": 2 * GiB, "steps": 20}
-QUICK = {"file_size": 256 * MiB, "steps": 5}
+QUICK = {"file_size": 128 * MiB, "steps": 4}
 _UNITS = {"": 1, "k": KiB, "kib": KiB, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB}
 # Environment variables of the parent job a child mpirun may keep.
 KEEP_ENV = {
@@ -181,9 +181,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
         "--file-size",
         type=byte_size,
         metavar="BYTES",
-        help="bytes of each case's dataset (full: 2GiB, --quick: 256MiB)",
+        help="bytes of each case's dataset (full: 2GiB, --quick: 128MiB)",
     )
-    parser.add_argument("--steps", type=_positive(int), help="steps per system (full 20, quick 5)")
+    parser.add_argument("--steps", type=_positive(int), help="steps per system (full 20, quick 4)")
     parser.add_argument(
         "--sample-scale",
         type=_positive(float),

@@ -139,6 +139,7 @@ class Checkpointer:
         self.journal = drain.journal_dir(self.bb_dir)
         self._drain: subprocess.Popen | None = None
         self._said_direct = False
+        self.last_restore_tier: str | None = None  # "bb" or "pfs", after restore()
         with agreed(self.comm, f"checkpointer {name}: preparing the burst buffer"):
             if self.topo.is_leader:
                 self.journal.mkdir(parents=True, exist_ok=True)
@@ -368,6 +369,7 @@ class Checkpointer:
             for tier in tiers:
                 result, problem = self._try_restore(s, tier, want, from_rank)
                 if result is not None:
+                    self.last_restore_tier = tier
                     return result
                 if self.rank == 0:
                     log.warning(

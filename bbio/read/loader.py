@@ -26,10 +26,12 @@ class Loader:
 
     Collective over the dataset's communicator: every rank must create the
     loader, iterate the same number of steps and call :meth:`close` (or use
-    ``with``).  Each element is what :meth:`Dataset.read` returns for this
-    rank's ids of that step; ``loader.indices`` holds those ids.  The split is
-    PyTorch ``DistributedSampler``'s, without padding: with ``drop_last=False``
-    an epoch delivers every sample exactly once across ranks.
+    ``with``).  ``start_step`` resumes after that many steps (counted over all
+    epochs), e.g. the step saved with a checkpoint.  Each element is what
+    :meth:`Dataset.read` returns for this rank's ids of that step;
+    ``loader.indices`` holds those ids.  The split is PyTorch
+    ``DistributedSampler``'s, without padding: with ``drop_last=False`` an
+    epoch delivers every sample exactly once across ranks.
     """
 
     def __init__(
@@ -42,8 +44,9 @@ class Loader:
         shuffle: bool = True,
         drop_last: bool = False,
         prefetch: int = 2,
+        start_step: int = 0,
     ) -> None:
-        if batch_size < 1 or epochs < 0 or prefetch < 0:
+        if batch_size < 1 or epochs < 0 or prefetch < 0 or start_step < 0:
             raise UsageError(
                 f"Loader needs batch_size >= 1, epochs >= 0 and prefetch >= 0 "
                 f"(got {batch_size}, {epochs}, {prefetch})"
@@ -60,6 +63,7 @@ class Loader:
         self.epochs = epochs
         self.shuffle = shuffle
         self.drop_last = drop_last
+        self.start_step = start_step
         threaded = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         if prefetch and not threaded and self.rank == 0:
             log.warning(
@@ -79,8 +83,12 @@ class Loader:
         return self._steps
 
     def _schedule(self) -> Iterator[tuple]:
+        step = 0
         for epoch in range(self.epochs):
-            yield from epoch_batches(
+            if step + self._steps <= self.start_step:  # a whole epoch already done
+                step += self._steps
+                continue
+            for batches in epoch_batches(
                 len(self.dataset),
                 self.replicas,
                 self.batch_size,
@@ -88,7 +96,10 @@ class Loader:
                 epoch,
                 self.shuffle,
                 self.drop_last,
-            )
+            ):
+                if step >= self.start_step:
+                    yield batches
+                step += 1
 
     def _fetch(self, batches) -> tuple:
         return batches[self.rank], self.dataset.read_planned(batches)

@@ -1,0 +1,1 @@
+"""The demo: ``python -m bbio.demo`` drives the MPI job of :mod:`bbio.demo.job` in phases."""
