@@ -219,6 +219,20 @@ def _cmd_ckpt_wait(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_slurm(args: argparse.Namespace) -> int:
+    from bbio import slurm
+
+    config = load_config(args.config)
+    if args.slurm_command == "prolog":
+        path = slurm.prolog(config, slurm.Job.from_env(os.environ))
+        print(f"bbio prolog: burst buffer {path} ready")
+        return 0
+    path, failed = slurm.epilog(config, args.timeout)
+    for journal in failed:
+        print(f"bbio epilog: could not drain {journal}; {path} is kept", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def _add_transfer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--verify", action="store_true", help="re-read every copy and compare CRC32C"
@@ -314,6 +328,17 @@ def build_parser() -> argparse.ArgumentParser:
         if action in ("drain", "wait"):
             sub.add_argument("--timeout", type=float, help="seconds before giving up")
         sub.set_defaults(run=run)
+
+    hooks = commands.add_parser("slurm", help="Slurm prolog and epilog work on this node (no MPI)")
+    hook_commands = hooks.add_subparsers(dest="slurm_command", metavar="HOOK", required=True)
+    hook_commands.add_parser(
+        "prolog", help="create the job's burst-buffer directory for its user (run as root)"
+    ).set_defaults(run=_cmd_slurm)
+    epilog = hook_commands.add_parser(
+        "epilog", help="drain queued checkpoints, then remove the job's burst-buffer directory"
+    )
+    epilog.add_argument("--timeout", type=float, default=3600, help="seconds (default 3600)")
+    epilog.set_defaults(run=_cmd_slurm)
     return parser
 
 

@@ -29,6 +29,7 @@ LAYERS = {
     "shell": {
         "bbio.mpi",
         "bbio.info",
+        "bbio.slurm",
         "bbio.transfer.files",
         "bbio.stage.walk",
         "bbio.stage.progress",
@@ -58,6 +59,7 @@ LAYERS = {
         "bbio.bench.stage",
         "bbio.bench.read",
         "bbio.bench._read_mpiio",
+        "bbio.bench.checkpoint",
         "bbio.bench.plot",
     },
 }
@@ -74,7 +76,7 @@ THIRD_PARTY = {
     "core": {"numpy", "tomli"},
     "native": {"numpy"},
     "shell": {"numpy", "mpi4py", "h5py"},
-    "entry": {"numpy", "mpi4py", "h5py", "crc32c", "matplotlib"},
+    "entry": {"numpy", "mpi4py", "h5py", "crc32c", "matplotlib", "torch"},
 }
 
 
@@ -131,6 +133,6 @@ def test_layers_import_only_what_they_may():
                 continue
             elif root not in THIRD_PARTY[layer]:
                 problems.append(f"{name} ({layer}) imports third-party {imported}")
-            if root in {"mpi4py", "h5py", "matplotlib", "crc32c"} and at_top:
+            if root in {"mpi4py", "h5py", "matplotlib", "crc32c", "torch"} and at_top:
                 problems.append(f"{name} imports {imported} at import time")
     assert not problems, "\n".join(problems)
