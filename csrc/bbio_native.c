@@ -513,25 +513,86 @@ int bbio_copy_range(int src_fd, int dst_fd, int64_t src_off, int64_t dst_off,
     return err;
 }
 
-/* Run worker(arg) on up to nthreads threads (never more than jobs), the
- * calling thread included.  If threads cannot be created, the calling thread
- * does the rest of the work: nothing fails for lack of threads. */
+/* A pool of worker threads, created on first need and kept: batched calls
+ * come every training step, and creating threads each time costs more than the
+ * small reads they do.  One batch runs at a time; the calling thread works too.
+ * If threads cannot be created, fewer (or none) help: nothing fails for lack
+ * of threads. */
+static pthread_mutex_t pool_call = PTHREAD_MUTEX_INITIALIZER; /* one batch at a time */
+static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_work = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t pool_done = PTHREAD_COND_INITIALIZER;
+static int pool_threads;          /* workers alive */
+static uint64_t pool_generation;  /* bumped for each batch */
+static int pool_wanted;           /* workers still to join the current batch */
+static int pool_active;           /* workers that joined and have not finished */
+static void *(*pool_fn)(void *);
+static void *pool_arg;
+
+/* arg: the generation current when the worker was created; it joins the
+ * batches that come after it (its first one is being set up by its creator). */
+static void *pool_worker(void *created_at)
+{
+    uint64_t seen = (uint64_t)(uintptr_t)created_at;
+    pthread_mutex_lock(&pool_mu);
+    for (;;) {
+        while (pool_generation == seen)
+            pthread_cond_wait(&pool_work, &pool_mu);
+        seen = pool_generation;
+        if (pool_wanted <= 0)
+            continue;
+        pool_wanted--;
+        void *(*fn)(void *) = pool_fn;
+        void *arg = pool_arg;
+        pthread_mutex_unlock(&pool_mu);
+        fn(arg);
+        pthread_mutex_lock(&pool_mu);
+        if (--pool_active == 0)
+            pthread_cond_signal(&pool_done);
+    }
+    return NULL;
+}
+
+/* Run worker(arg) on up to nthreads threads (never more than jobs). */
 static void run_workers(void *(*worker)(void *), void *arg, int nthreads, int64_t jobs)
 {
     if ((int64_t)nthreads > jobs)
         nthreads = (int)jobs;
-    pthread_t *threads = NULL;
-    int started = 0;
-    if (nthreads > 1) {
-        threads = calloc((size_t)nthreads - 1, sizeof(*threads));
-        for (; threads && started < nthreads - 1; started++)
-            if (pthread_create(&threads[started], NULL, worker, arg) != 0)
-                break;
+    int helpers = nthreads > 1 ? nthreads - 1 : 0;
+    if (helpers == 0) {
+        worker(arg);
+        return;
     }
+    pthread_mutex_lock(&pool_call);
+    pthread_mutex_lock(&pool_mu);
+    while (pool_threads < helpers) {
+        pthread_t thread;
+        pthread_attr_t attr;
+        if (pthread_attr_init(&attr) != 0)
+            break;
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int failed = pthread_create(&thread, &attr, pool_worker,
+                                    (void *)(uintptr_t)pool_generation);
+        pthread_attr_destroy(&attr);
+        if (failed)
+            break;
+        pool_threads++;
+    }
+    if (helpers > pool_threads)
+        helpers = pool_threads;
+    pool_fn = worker;
+    pool_arg = arg;
+    pool_wanted = helpers;
+    pool_active = helpers;
+    pool_generation++;
+    pthread_cond_broadcast(&pool_work);
+    pthread_mutex_unlock(&pool_mu);
     worker(arg);
-    for (int t = 0; t < started; t++)
-        pthread_join(threads[t], NULL);
-    free(threads);
+    pthread_mutex_lock(&pool_mu);
+    while (pool_active > 0)
+        pthread_cond_wait(&pool_done, &pool_mu);
+    pthread_mutex_unlock(&pool_mu);
+    pthread_mutex_unlock(&pool_call);
 }
 
 /* ------------------------------------------------------ batched file copies */

@@ -351,3 +351,29 @@ def test_copy_files_matches_reference_reports_errors_and_seals(tmp_path):
     assert missing.error.filename == str(sources[-2])
     assert isinstance(unwritable.error, NotFoundError)
     assert unwritable.error.filename == str(destinations[-1])
+
+
+def test_batched_calls_from_many_threads_share_the_worker_pool(tmp_path):
+    data = random_bytes(1 << 20, seed=11)
+    fd = os.open(write_file(tmp_path / "f", data), os.O_RDONLY)
+    errors = []
+
+    def reader(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(100):
+            n = int(rng.integers(1, 40))
+            offsets = rng.integers(0, len(data) - 1000, n)
+            out = np.zeros(n * 1000, dtype=np.uint8)
+            _native.pread_batch([fd] * n, offsets, [1000] * n, out, threads=int(rng.integers(1, 9)))
+            for i in range(n):
+                if out[i * 1000 : (i + 1) * 1000].tobytes() != data[offsets[i] : offsets[i] + 1000]:
+                    errors.append((seed, i))
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    os.close(fd)
+    assert not any(t.is_alive() for t in threads), "a batched call hung"
+    assert errors == []
