@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -106,15 +107,16 @@ def test_global_arrays_restore_any_slice_with_fewer_ranks(comm, shared_tmp):
             with pytest.raises(bbio.NotFoundError):  # per-rank defaults need the same rank count
                 again.restore()
     half.Free()
-    if rank == 0:
+    if rank == 0 and shutil.which("h5dump"):  # the global view needs neither bbio nor h5py
         dumped = subprocess.run(
             ["h5dump", "-d", "weights", str(shared_tmp / "pfs/ckpt/g/step-00000001/global.h5")],
             capture_output=True,
             text=True,
+            cwd="/",
         )
-        if dumped.returncode == 0 or "not found" not in dumped.stderr:
-            assert dumped.returncode == 0, dumped.stderr
-            assert f"({size * 6 - 1},0): {full[-1, 0]:g}" in dumped.stdout.replace(".0,", ",")
+        assert dumped.returncode == 0, dumped.stderr
+        last_row = f"({size * 6 - 1},0): " + ", ".join(f"{v:g}" for v in full[-1])
+        assert last_row in dumped.stdout
 
 
 def test_a_corrupt_burst_buffer_copy_is_skipped_for_the_pfs_copy(comm, shared_tmp, caplog):

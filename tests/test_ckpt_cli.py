@@ -1,0 +1,104 @@
+"""``bbio ckpt`` from a shell, and a rank killed for real during a save (mpirun subprocesses)."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_mpi, run_python
+
+JOB = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    import numpy as np
+    from mpi4py import MPI
+    import bbio
+    from bbio.config import Config
+
+    comm = MPI.COMM_WORLD
+    root, action = sys.argv[1], sys.argv[2]
+    config = Config(bb_root=f"{root}/bb/{{node}}", pfs_root=f"{root}/pfs",
+                    ranks_per_node=comm.Get_size() // 2, progress="never")
+    ckpt = bbio.Checkpointer(comm, "run", config=config)
+
+    def state(step, rows):
+        return {"w": np.full((rows, 16), step * 10 + comm.Get_rank(), dtype=np.float64)}
+
+    if action == "save":
+        for step in (1, 2):
+            ckpt.save(step, state(step, 1000)).wait(timeout=60)
+        ckpt.close()
+    elif action == "die-while-saving":
+        ckpt.save(1, state(1, 1000)).wait(timeout=60)
+        if comm.Get_rank() == 1:  # rank 1 dies in the middle of the next save
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        ckpt.save(2, state(2, 4 << 20))  # 512 MiB per rank: still writing at 0.3 s
+        ckpt.close()
+    elif action == "restore":
+        step, arrays, _ = ckpt.restore()
+        w = arrays["w"]
+        assert (w == step * 10 + comm.Get_rank()).all(), "restored a torn checkpoint"
+        if comm.Get_rank() == 0:
+            print(f"restored step {step} rows {w.shape[0]}", flush=True)
+        ckpt.close()
+    """
+)
+
+
+@pytest.fixture
+def job(tmp_path) -> Path:
+    path = tmp_path / "job.py"
+    path.write_text(JOB)
+    return path
+
+
+def bbio_ckpt(tmp_path: Path, *args: str, node: int = 0):
+    return run_python(
+        "-m",
+        "bbio",
+        "ckpt",
+        *args,
+        "--bb-root",
+        str(tmp_path / "bb" / "{node}"),
+        "--pfs-root",
+        str(tmp_path / "pfs"),
+        "--node",
+        str(node),
+    )
+
+
+def test_ls_verify_wait_from_a_shell(tmp_path, job):
+    saved = run_mpi(4, str(job), str(tmp_path), "save")
+    assert saved.returncode == 0, saved.stdout + saved.stderr
+    listing = bbio_ckpt(tmp_path, "ls", node=1)
+    assert listing.returncode == 0, listing.stderr
+    rows = [line.split() for line in listing.stdout.splitlines() if line.startswith("run ")]
+    assert rows == [
+        ["run", "1", "complete", "committed", "-"],
+        ["run", "2", "complete", "committed", "-"],
+    ]
+    verified = bbio_ckpt(tmp_path, "verify", "run")
+    assert verified.returncode == 0, verified.stderr
+    # 2 steps x (2 node files + global.h5) on the PFS, and node 0's 2 drained BB copies
+    assert "8 checkpoint file(s) verified" in verified.stdout
+    waited = bbio_ckpt(tmp_path, "wait", "run", "--step", "2", "--timeout", "5")
+    assert waited.returncode == 0 and "step 2 is committed" in waited.stdout
+    missing = bbio_ckpt(tmp_path, "wait", "run", "--step", "3", "--timeout", "1")
+    assert missing.returncode == 1 and "not committed after 1 s" in missing.stderr
+    node_file = tmp_path / "pfs" / "ckpt" / "run" / "step-00000002" / "node-00001.h5"
+    data = bytearray(node_file.read_bytes())
+    data[-100] ^= 0xFF
+    node_file.write_bytes(bytes(data))
+    broken = bbio_ckpt(tmp_path, "verify", "run")
+    assert broken.returncode == 1
+    assert str(node_file) in broken.stderr and "Traceback" not in broken.stderr
+
+
+def test_a_rank_killed_during_save_never_leaves_a_restorable_partial_checkpoint(tmp_path, job):
+    died = run_mpi(4, str(job), str(tmp_path), "die-while-saving", timeout=300)
+    assert died.returncode != 0, "rank 1 was supposed to be killed"
+    restored = run_mpi(4, str(job), str(tmp_path), "restore", timeout=300)
+    assert restored.returncode == 0, restored.stdout + restored.stderr
+    assert "restored step 1 rows 1000" in restored.stdout
