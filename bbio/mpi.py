@@ -152,6 +152,25 @@ def agreed(comm, what: str) -> Iterator[None]:
         raise agreed_error(failures, what, comm.Get_size()) from local
 
 
+def agreed_allgather(comm, what: str, fn: Callable[[], T]) -> list[T]:
+    """Collective over ``comm``: run ``fn()`` on every rank and allgather the results.
+
+    Like :func:`agreed` and an ``allgather`` in one collective: if ``fn``
+    raises on any rank, every rank raises the same error instead.
+    """
+    local: Exception | None = None
+    result = None
+    try:
+        result = fn()
+    except Exception as exc:
+        local = exc
+    outcomes = comm.allgather((None if local is None else _describe(local), result))
+    failures = [(r, *o) for r, (o, _) in enumerate(outcomes) if o is not None]
+    if failures:
+        raise agreed_error(failures, what, comm.Get_size()) from local
+    return [value for _, value in outcomes]
+
+
 def wait_all_ranks(comm, timeout: float, what: str) -> None:
     """Collective over ``comm``: a barrier that raises instead of waiting forever.
 

@@ -29,7 +29,7 @@ from bbio.checkpoint import restore as reader
 from bbio.checkpoint.writer import describe, file_attrs, global_shapes, write_node_file
 from bbio.config import Config, load_config
 from bbio.errors import BBIOError, BBIOTimeoutError, NotFoundError, UsageError
-from bbio.mpi import agreed, topology
+from bbio.mpi import agreed, agreed_allgather, topology
 from bbio.report import format_bytes
 from bbio.transfer import files
 
@@ -157,16 +157,18 @@ class Checkpointer:
         once the checkpoint is committed on the PFS).  ``attrs`` must be JSON.
         """
         comm = self.comm
-        spec: dict = {}
-        with agreed(comm, f"checkpoint {self.name} step {step}: checking the state"):
+
+        def check() -> tuple:
             layout.step_dirname(step)
-            kind = layout.layout_of(arrays)
-            spec = describe(arrays)
             json.dumps(dict(attrs or {}))
-        kinds = comm.allgather(kind)
-        if len(set(kinds)) != 1:
-            raise UsageError(f"ranks disagree on the layout of checkpoint {step}: {kinds}")
-        all_specs = comm.allgather(spec)
+            return layout.layout_of(arrays), describe(arrays), time.time()
+
+        checked = agreed_allgather(comm, f"checkpoint {self.name} step {step}: checking", check)
+        kinds = {kind for kind, _, _ in checked}
+        if len(kinds) != 1:
+            raise UsageError(f"ranks disagree on the layout of checkpoint {step}: {sorted(kinds)}")
+        kind, spec, when = checked[self.rank][0], checked[self.rank][1], checked[0][2]
+        all_specs = [s for _, s, _ in checked]
         shapes = global_shapes(all_specs, kind)
         handle = SaveHandle(
             self.name, step, self.pfs_dir / layout.step_dirname(step), self.journal, self.nodes
@@ -174,13 +176,8 @@ class Checkpointer:
         if self._wait_for_room(handle):
             return dataclasses.replace(handle, skipped=True)
         node_bytes = sum(entry["bytes"] for r in self.node_ranks for entry in all_specs[r].values())
-        direct = not self._bb_fits(node_bytes + FILE_OVERHEAD_BYTES)
+        direct = not self._prepare(step, node_bytes + FILE_OVERHEAD_BYTES)
         step_dir = (self.pfs_dir if direct else self.bb_dir) / layout.step_dirname(step)
-        when = comm.bcast(time.time(), root=0)
-        with agreed(comm, f"checkpoint {self.name} step {step}: preparing"):
-            self._forget(step)
-            if self.topo.is_leader:
-                step_dir.mkdir(parents=True, exist_ok=True)
         size = 0
         with agreed(comm, f"checkpoint {self.name} step {step}: writing"):
             size = write_node_file(
@@ -204,15 +201,13 @@ class Checkpointer:
         with agreed(comm, f"checkpoint {self.name} step {step}: recording"):
             if self.topo.is_leader:
                 self._record(step_dir, step, size, direct)
+                if not direct:
+                    self._start_drain()
         if direct:
-            comm.Barrier()
             with agreed(comm, f"checkpoint {self.name} step {step}: committing on the PFS"):
                 if self.rank == 0:
                     drain.try_commit(step_dir, self.nodes, self.keep_pfs)
             return dataclasses.replace(handle, direct=True)
-        with agreed(comm, f"checkpoint {self.name} step {step}: starting the drain"):
-            if self.topo.is_leader:
-                self._start_drain()
         return handle
 
     def _forget(self, step: int) -> None:
@@ -275,28 +270,39 @@ class Checkpointer:
             time.sleep(0.05)
         return False
 
-    def _bb_fits(self, node_bytes: int) -> bool:
-        """Collective: trim drained copies, then check every node's free space."""
-        free = 0
-        with agreed(self.comm, f"checkpoint {self.name}: checking burst-buffer space"):
-            if self.topo.is_leader:
-                self._trim_bb(keep=self.keep_bb - 1)
-                free = files.free_bytes(self.bb_dir)
-        leaders = self.comm.allgather(
-            (self.node, node_bytes <= free, free, node_bytes) if self.topo.is_leader else None
-        )
-        short = [(n, f, b) for n, ok, f, b in (x for x in leaders if x is not None) if not ok]
+    def _prepare(self, step: int, node_bytes: int) -> bool:
+        """Collective: clear the way for ``step``; True if every burst buffer can hold it.
+
+        Drops older copies of the step, trims drained BB copies and checks each
+        node's free space; if any node lacks room, the checkpoint goes straight
+        to the PFS (said once).  One agreement for all of it.
+        """
+
+        def prepare() -> tuple | None:
+            self._forget(step)
+            if not self.topo.is_leader:
+                return None
+            self._trim_bb(keep=self.keep_bb - 1)
+            free = files.free_bytes(self.bb_dir)
+            fits = node_bytes <= free
+            target = self.bb_dir if fits else self.pfs_dir
+            (target / layout.step_dirname(step)).mkdir(parents=True, exist_ok=True)
+            return self.node, fits, free
+
+        leaders = [x for x in agreed_allgather(self.comm, "checkpoint: preparing", prepare) if x]
+        short = [(n, free) for n, fits, free in leaders if not fits]
         if short and self.rank == 0 and not self._said_direct:
-            n, free_b, need = short[0]
             log.warning(
                 "checkpoint %s: the burst buffer of node %d cannot hold it (%s needed, %s free): "
                 "writing checkpoints straight to the PFS",
                 self.name,
-                n,
-                format_bytes(need),
-                format_bytes(free_b),
+                short[0][0],
+                format_bytes(node_bytes),
+                format_bytes(short[0][1]),
             )
         self._said_direct = self._said_direct or bool(short)
+        if short and self.topo.is_leader:  # every node writes to the PFS then
+            (self.pfs_dir / layout.step_dirname(step)).mkdir(parents=True, exist_ok=True)
         return not short
 
     def _trim_bb(self, keep: int) -> None:
