@@ -81,6 +81,8 @@ class BenchContext:
     comm: Any
     args: argparse.Namespace
     results: Results
+    #: the (virtual) node count the suite ran on, when it sets its own; else the configured one
+    nodes: int | None = None
 
     @property
     def quick(self) -> bool:

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         if comm.Get_rank() == 0:
             print(ctx.results.table())
             if args.json:
-                bench.write_json(args.json, args.suite, ctx, topo.nodes)
+                bench.write_json(args.json, args.suite, ctx, ctx.nodes or topo.nodes)
                 print(f"wrote {args.json}")
         topo.free()
 

@@ -71,6 +71,9 @@ The JSON's ``machine.read`` holds the sizes, paths, cache drops, bbio's own
 request counts against ``syscr``, the io components the MPI-IO jobs loaded,
 and, when GlusterFS brick processes (``glusterfsd``) run on this machine, their
 ``/proc/PID/io`` deltas per case and system (what reached the PFS servers).
+When the PFS is a mount of its own, rank 0 looks for other processes with
+files open in it before and after every system (``foreign_users``, and a
+warning in the log): another benchmark on the same volume spoils the numbers.
 """
 
 from __future__ import annotations
@@ -162,6 +165,13 @@ def _positive(kind: type) -> Callable[[str], Any]:
     return parse
 
 
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
+    return value
+
+
 def _names(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         names = [n.strip() for n in text.split(",") if n.strip()]
@@ -198,7 +208,7 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--compute-scale",
-        type=float,
+        type=_non_negative,
         default=1.0,
         help="multiply every case's compute time per step by this (default 1: DLIO's)",
     )
@@ -487,23 +497,71 @@ class Datasets:
 # ------------------------------------------------------------------ the run
 
 
-def fs_type(path: Path) -> str:
-    """The file system type of the mount holding ``path`` (from /proc/mounts)."""
+def _mount_of(path: Path) -> tuple[str, str]:
+    """(mount point, file system type) of the mount holding ``path`` (from /proc/mounts)."""
     best, kind = "", "unknown"
     real = os.path.realpath(path)
     try:
         lines = Path("/proc/mounts").read_text().splitlines()
     except OSError:
-        return kind
+        return best, kind
     for line in lines:
         fields = line.split()
         if len(fields) >= 3:
             mount = fields[1].replace("\\040", " ")
-            if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) >= len(
-                best
-            ):
+            inside = real == mount or real.startswith(mount.rstrip("/") + "/")
+            if inside and len(mount) >= len(best):
                 best, kind = mount, fields[2]
-    return kind
+    return best, kind
+
+
+def fs_type(path: Path) -> str:
+    """The file system type of the mount holding ``path``."""
+    return _mount_of(path)[1]
+
+
+def foreign_users(mount: str, mine: set[int]) -> list[str]:
+    """Processes outside this job (not ``mine`` nor their descendants) using files under ``mount``.
+
+    Other benchmarks on a shared PFS make the numbers meaningless; this is
+    how a run notices them (a snapshot: short-lived users may be missed).
+    """
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+
+    def ours(pid: int) -> bool:
+        for _ in range(64):
+            if pid in mine:
+                return True
+            if pid <= 1 or pid not in parents:
+                return False
+            pid = parents[pid]
+        return False
+
+    prefix = mount.rstrip("/") + "/"
+    found = []
+    for pid in parents:
+        if ours(pid):
+            continue
+        base = f"/proc/{pid}"
+        try:
+            links = [os.readlink(f"{base}/cwd")]
+            links += [os.readlink(f"{base}/fd/{fd}") for fd in os.listdir(f"{base}/fd")]
+        except OSError:
+            continue
+        if any(link == mount or link.startswith(prefix) for link in links):
+            try:
+                comm = Path(f"{base}/comm").read_text().strip()
+            except OSError:
+                comm = "?"
+            found.append(f"{pid} {comm}")
+    return found
 
 
 def child_env(component: str, aggregators: int) -> dict[str, str]:
@@ -534,6 +592,10 @@ class ReadBench:
         self.counters = IoCounters()
         self.servers = server_pids() if self.rank == 0 else []
         self.drops: list[bool] = []
+        self.mine = set(self.comm.allgather(os.getpid()))
+        mount, _ = _mount_of(self.data.root)
+        self.watch = mount if mount not in ("", "/") else None  # a separate PFS mount
+        self.foreign: dict[str, list[str]] = {}
         self.server: dict[str, dict[str, Any]] = {}
         self.bbio_requests: dict[str, dict[str, float]] = {}
         self.io_components: dict[str, Any] = {}
@@ -565,6 +627,17 @@ class ReadBench:
         if self.rank == 0:
             self.drops.append(drop_caches(self.args.drop_caches))
         idle_barrier(self.comm)
+
+    def look_around(self, what: str) -> None:
+        """Rank 0: note other processes using the PFS mount, and the load average."""
+        if self.rank != 0 or self.watch is None:
+            return
+        users = foreign_users(self.watch, self.mine)
+        if users:
+            load = Path("/proc/loadavg").read_text().split()[0]
+            seen = self.foreign.setdefault(what, [])
+            seen.extend(u for u in users if u not in seen)
+            self.ctx.log(f"WARNING: {what}: others use {self.watch} (load {load}): {users[:5]}")
 
     def _server_begin(self) -> dict | None:
         return server_counters(self.servers) if self.rank == 0 else None
@@ -791,7 +864,9 @@ class ReadBench:
         failure = None
         if self.rank == 0:
             try:
+                self.look_around(system)
                 self._child_job(system, component)
+                self.look_around(system)
             except Exception as exc:  # every rank must leave the barrier below
                 failure = f"{type(exc).__name__}: {exc}"
         idle_barrier(self.comm)
@@ -877,7 +952,9 @@ class ReadBench:
         for name, measure in systems:
             if name in chosen:
                 self.prepare()
+                self.look_around(f"{case.name} {name}")
                 measure()
+                self.look_around(f"{case.name} {name}")
 
 
 def loaded_io_components() -> list[str]:
@@ -935,6 +1012,7 @@ def run(ctx: BenchContext) -> None:
         for case in cases:
             data.generate(case)
         bench_run = ReadBench(ctx, cases, data, work, sizes["steps"])
+        ctx.nodes = -(-bench_run.size // RANKS_PER_NODE)
         if ctx.rank == 0 and bench_run.servers:
             ctx.log(f"GlusterFS bricks found (PIDs {bench_run.servers}): their reads are recorded")
         for case in cases:
@@ -965,6 +1043,7 @@ def run(ctx: BenchContext) -> None:
                     "datasets": data.status,
                     "bbio_requests": bench_run.bbio_requests,
                     "io_components": bench_run.io_components,
+                    "foreign_users": bench_run.foreign,
                     "server_pids": bench_run.servers,
                     "server_io": bench_run.server,
                 }

@@ -20,9 +20,10 @@ reads every source file once, in path order, 1 MiB reads: one stream),
 ``raw-write`` (rank 0 writes the same bytes as the same directories and files
 into the burst buffer, 1 MiB writes, fsync of every file and directory),
 ``cp`` (``cp -a``), ``rsync`` (``rsync -a``), ``tar`` (``tar -cf - | tar -xf -``),
-all subprocesses of rank 0 while the other ranks sleep; then ``bbio-2`` (the
-first 2 ranks, a sub-communicator; the others sleep) and ``bbio-4`` (4
-ranks), both ``stage_in`` into ONE destination (one node:
+all subprocesses of rank 0 while the other ranks sleep (a tool that is not
+installed is skipped, logged and listed in ``machine.stage.skipped_baselines``);
+then ``bbio-2`` (the first 2 ranks, a sub-communicator; the others sleep) and
+``bbio-4`` (4 ranks), both ``stage_in`` into ONE destination (one node:
 ``ranks_per_node`` = communicator size, mode replicate), timed as a barrier,
 the call (walk, capacity check, copy, commit with fsync, manifest) and the
 maximum over the ranks.  Fewer than 4 ranks: ``bbio-4`` is skipped (logged).
@@ -469,6 +470,11 @@ class StageBench:
             listings, root=0
         )
         self.pool = np.random.default_rng(7).bytes(_WRITE_POOL)
+        # a baseline whose tool is not installed is skipped (logged, listed in the JSON)
+        self.baselines = [name for name in BASELINES if shutil.which(name)]
+        self.missing = [name for name in BASELINES if name not in self.baselines]
+        for name in self.missing:
+            ctx.log(f"{name} is not installed: the {name} baseline is skipped")
 
     def free(self) -> None:
         for sub in self.subs.values():
@@ -536,7 +542,7 @@ class StageBench:
                 lambda: self.on_rank0(lambda: raw_write(self.dst, dirs, listing, self.pool)),
             ),
         ]
-        for name in BASELINES:
+        for name in self.baselines:
             systems.append(
                 (
                     name,
@@ -699,6 +705,7 @@ def run(ctx: BenchContext) -> None:
                     "files_per_dir": FILES_PER_DIR,
                     "repeats": args.repeats,
                     "io_threads": bench_run.io_threads,
+                    "skipped_baselines": bench_run.missing,
                     "trees": trees.status,
                     "replicate_check": bench_run.replicate_check,
                 }

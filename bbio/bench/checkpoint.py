@@ -1,0 +1,641 @@
+"""Suite ``checkpoint``: bbio's asynchronous checkpoints against h5py, DCP and raw limits.
+
+``mpirun -n 4 python -m bbio.bench checkpoint [--quick] [--json FILE] [--pfs DIR]
+[--bb DIR] [--sizes 16MiB,64MiB] [--repeats N] [--systems ...] [--no-drop-caches]``
+
+Every rank holds a state of ``--arrays`` (4) float32 arrays, equal parts of
+the per-rank size (16, 64 and 256 MiB; ``--quick``: 16 and 64 MiB); the ranks
+form virtual nodes of 2 (4 ranks: 2 nodes).  The case is the per-rank size
+(``64MiB``).  Metric ``seconds``, each value the maximum over the ranks of
+one measurement that starts after a barrier:
+
+* ``bbio``: the blocking time of ``Checkpointer.save`` (CRC32C of the arrays,
+  each node's HDF5 file written collectively into its burst buffer, fsync,
+  rename, the drain's journal entry); ``bbio-committed``: from the same start
+  until ``SaveHandle.wait()`` returns (the drain processes copied, verified
+  and committed the checkpoint on the PFS).  One checkpointer serves the whole
+  run, so its drain processes stay up as they would in training.
+* ``h5py-sync``: the baseline, a synchronous write of the same arrays straight
+  to the PFS: one HDF5 file (h5py, driver ``mpio``, ``COMM_WORLD``), every
+  rank's datasets created collectively, each rank writing its own; close, then
+  fsync by rank 0.
+* ``dcp-async`` and ``dcp-async-committed``: the peer,
+  ``torch.distributed.checkpoint.async_save`` of the same arrays as CPU tensors
+  (``torch.from_numpy``, keys prefixed with the rank so that nothing is
+  deduplicated) into a directory on the PFS, gloo process group over TCP on
+  127.0.0.1, one intra-op thread per rank (``torch.set_num_threads(1)``): the
+  time until ``async_save`` returns, and until its future completes.  Skipped,
+  with a logged note, when torch cannot be imported on every rank.
+* ``memcpy``: each rank copies its arrays into other arrays in memory (the
+  physical floor).
+* ``bb-write``: raw ``os.pwrite`` of the same bytes into the burst buffer in
+  bbio's layout, one file per node: the node leader creates it, every rank
+  of the node writes its bytes at its offset, then the leader fsyncs.
+* ``bb-write-fpp``: raw write+fsync into the burst buffer, one file per rank
+  (what the device takes; on tmpfs writes to one file are serialised).
+* ``pfs-write``: raw write+fsync of the same bytes to the PFS, one file per
+  rank (all ranks writing: what the PFS takes).
+* ``pfs-write-node``: raw write+fsync to the PFS as the drain writes: one file
+  per node, written by one process per node (the leader writes the node's
+  byte count from its own arrays) while the other ranks wait.
+
+Derived, metric ``GB_per_s`` (10**9 bytes/s of state, all ranks): ``bbio-drain``
+= bytes / (``bbio-committed`` - ``bbio``) of the same save, ``pfs-write`` and
+``pfs-write-node``.
+
+Before measuring, one untimed round of every system at 1 MiB per rank warms
+up imports, MPI-IO, the drain processes and gloo.  The systems' order rotates
+from one repetition to the next.  Before every system the files of the
+previous one are removed (the burst buffer is memory) and, as root, the page
+cache is dropped (``sync; echo 1 > /proc/sys/vm/drop_caches``; tmpfs keeps its
+files).  The PFS is a fresh directory under ``--pfs`` (default: the system
+temp directory, local disk), the burst buffers a fresh directory under
+``--bb`` (default ``/dev/shm``, tmpfs), both removed at the end.  The JSON's
+``machine.checkpoint`` holds the paths, file system types, sizes, repetitions
+and the torch version (or why DCP was skipped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import bbio.bench as bench
+from bbio.bench import BenchContext, gb_per_s, suite
+from bbio.bench.copy import size_label
+from bbio.bench.stage import byte_size, drop_caches, fs_type, idle_barrier
+from bbio.checkpoint import drain, layout
+from bbio.checkpoint.checkpointer import Checkpointer
+from bbio.config import Config
+from bbio.errors import UsageError
+from bbio.mpi import topology
+
+MiB = 1 << 20
+FULL_SIZES = (16 * MiB, 64 * MiB, 256 * MiB)
+QUICK_SIZES = (16 * MiB, 64 * MiB)
+WARMUP_SIZE = MiB
+RANKS_PER_NODE = 2
+KEYS = ("model/w0", "model/w1", "optim/exp_avg", "optim/exp_avg_sq")
+COLUMNS = 256  # arrays are (rows, 256) float32 when the size allows
+SYSTEMS = (
+    "memcpy",
+    "bb-write",
+    "bb-write-fpp",
+    "bbio",
+    "h5py-sync",
+    "dcp-async",
+    "pfs-write",
+    "pfs-write-node",
+)
+# The seconds recorded, in this order (two systems give two values each).
+REPORTED = (
+    "memcpy",
+    "bb-write",
+    "bb-write-fpp",
+    "bbio",
+    "bbio-committed",
+    "h5py-sync",
+    "dcp-async",
+    "dcp-async-committed",
+    "pfs-write",
+    "pfs-write-node",
+)
+COMMIT_TIMEOUT = 1800.0
+CKPT_NAME = "bench"
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = [byte_size(part) for part in text.split(",") if part.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError("give at least one size, e.g. 16MiB,64MiB")
+    return sizes
+
+
+def _systems(text: str) -> list[str]:
+    chosen = [s.strip() for s in text.split(",") if s.strip()]
+    unknown = sorted(set(chosen) - set(SYSTEMS))
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown systems {unknown}; choose from {SYSTEMS}")
+    return chosen
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pfs",
+        metavar="DIR",
+        help="the PFS: a fresh subdirectory is used and removed (default: the temp directory)",
+    )
+    parser.add_argument(
+        "--bb",
+        metavar="DIR",
+        default="/dev/shm",
+        help="the burst buffers: a fresh subdirectory is used and removed (default: /dev/shm)",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=_sizes,
+        metavar="LIST",
+        help="per-rank state sizes, e.g. 1MiB,2MiB (default 16MiB,64MiB,256MiB; --quick: "
+        "16MiB,64MiB)",
+    )
+    parser.add_argument(
+        "--repeats", type=_count, help="repetitions per size (default 5; --quick: 2)"
+    )
+    parser.add_argument("--arrays", type=_count, default=len(KEYS), help="arrays per rank")
+    parser.add_argument(
+        "--systems",
+        type=_systems,
+        default=list(SYSTEMS),
+        metavar="LIST",
+        help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)",
+    )
+    parser.add_argument(
+        "--no-drop-caches",
+        dest="drop_caches",
+        action="store_false",
+        help="do not drop the page cache before each system (default: drop it, as root)",
+    )
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def make_state(rank: int, nbytes: int, arrays: int) -> dict[str, np.ndarray]:
+    """``arrays`` float32 arrays of random values summing to ``nbytes`` (a multiple of 4)."""
+    if nbytes % 4 or nbytes < 4 * arrays:
+        raise UsageError(f"a per-rank size must be a multiple of 4 bytes, >= {4 * arrays}")
+    floats = nbytes // 4
+    counts = [floats // arrays] * arrays
+    counts[-1] += floats - sum(counts)
+    rng = np.random.default_rng(1_000 + rank)
+    keys = [KEYS[i] if i < len(KEYS) else f"extra/a{i}" for i in range(arrays)]
+    state = {}
+    for key, count in zip(keys, counts, strict=True):
+        shape = (count // COLUMNS, COLUMNS) if count % COLUMNS == 0 else (count,)
+        state[key] = rng.random(count, dtype=np.float32).reshape(shape)
+    return state
+
+
+def _bytes_of(array: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
+def write_arrays(fd: int, arrays: list[np.ndarray], offset: int = 0) -> int:
+    """``os.pwrite`` the arrays one after the other from ``offset``; the bytes written."""
+    start = offset
+    for array in arrays:
+        view = _bytes_of(array)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+        offset += len(view)
+    return offset - start
+
+
+def write_bytes(fd: int, arrays: list[np.ndarray], nbytes: int) -> None:
+    """``os.pwrite`` ``nbytes`` from the start of ``fd``, cycling through the arrays."""
+    offset = 0
+    while offset < nbytes:
+        for array in arrays:
+            view = _bytes_of(array)[: nbytes - offset]
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+            offset += len(view)
+
+
+def write_file(path: Path, arrays: list[np.ndarray]) -> None:
+    """Create ``path``, write the arrays, fsync, close."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_arrays(fd, arrays)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _max(comm, value: float) -> float:
+    from mpi4py import MPI
+
+    return float(comm.allreduce(value, op=MPI.MAX))
+
+
+def _torch_status(comm, wanted: bool) -> tuple[bool, str]:
+    """Collective: (whether every rank can import torch, its version or why not)."""
+    if not wanted:
+        return False, "not selected (--systems)"
+    reason = None
+    try:
+        import torch
+        import torch.distributed.checkpoint
+
+        version = str(torch.__version__)
+    except Exception as exc:
+        reason = f"torch is not importable ({type(exc).__name__}: {exc})"
+        version = ""
+    reasons = [r for r in comm.allgather(reason) if r]
+    return (False, reasons[0]) if reasons else (True, version)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# ------------------------------------------------------------------ the suite
+
+
+class CheckpointBench:
+    """The systems of one run; every method but the helpers is collective."""
+
+    def __init__(self, ctx: BenchContext, pfs: Path, bb: Path, use_torch: bool) -> None:
+        self.ctx, self.comm, self.args = ctx, ctx.comm, ctx.args
+        self.rank, self.size = ctx.rank, ctx.comm.Get_size()
+        self.pfs, self.bb = pfs, bb
+        self.topo = topology(self.comm, RANKS_PER_NODE)
+        self.node, self.nodes = self.topo.node, self.topo.nodes
+        self.leader = self.topo.is_leader
+        self.node_bb = bb / str(self.node)
+        self.drops: list[bool] = []
+        self.step = 0
+        self.use_torch = use_torch
+        self.torch_ready = False
+        self.config = Config(
+            bb_root=str(bb / "{node}"),
+            pfs_root=str(pfs),
+            ranks_per_node=RANKS_PER_NODE,
+            progress="never",
+        )
+        self.ck: Checkpointer | None = None
+        self.stopped = False
+
+    # -------------------------------------------------------------- set-up
+
+    def start(self) -> None:
+        if self.leader:
+            (self.node_bb / "raw").mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            for sub in ("raw", "h5py", "dcp"):
+                (self.pfs / sub).mkdir(parents=True, exist_ok=True)
+        self.comm.Barrier()
+        if "bbio" in self.args.systems:
+            self.ck = Checkpointer(
+                self.comm, CKPT_NAME, keep_bb=1, keep_pfs=1_000_000, config=self.config
+            )
+        if self.use_torch:
+            import torch
+            import torch.distributed as dist
+
+            torch.set_num_threads(1)
+            port = self.comm.bcast(_free_port() if self.rank == 0 else None, root=0)
+            dist.init_process_group(
+                "gloo",
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=self.rank,
+                world_size=self.size,
+                timeout=datetime.timedelta(seconds=COMMIT_TIMEOUT),
+            )
+            self.torch_ready = True
+
+    def stop(self) -> None:
+        """Collective: close the checkpointer (its drains exit), gloo and the node split."""
+        if self.ck is not None:
+            self.ck.close(wait=True, timeout=COMMIT_TIMEOUT)
+            self.ck = None
+        if self.torch_ready:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+            self.torch_ready = False
+        self.topo.free()
+        self.stopped = True
+
+    def prepare(self) -> None:
+        """Between systems: drop the page cache (rank 0) while the others sleep."""
+        if self.rank == 0:
+            self.drops.append(drop_caches(self.args.drop_caches))
+        idle_barrier(self.comm)
+
+    # -------------------------------------------------------------- systems
+
+    def memcpy(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        targets = [np.empty_like(a) for a in state.values()]
+        for target, array in zip(targets, state.values(), strict=True):
+            np.copyto(target, array)  # fault the pages in before timing
+        self.comm.Barrier()
+        start = time.perf_counter()
+        for target, array in zip(targets, state.values(), strict=True):
+            np.copyto(target, array)
+        return {"memcpy": _max(self.comm, time.perf_counter() - start)}
+
+    def _node_file(self, path: Path, arrays: list[np.ndarray], offset: int) -> None:
+        """bbio's layout: one file per node, each rank at its offset, the leader fsyncs."""
+        node_comm = self.topo.node_comm
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if self.leader else -1
+        node_comm.Barrier()
+        if not self.leader:
+            fd = os.open(path, os.O_WRONLY)
+        try:
+            write_arrays(fd, arrays, offset)
+            node_comm.Barrier()
+            if self.leader:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def bb_write(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        arrays = list(state.values())
+        mine = sum(a.nbytes for a in arrays)
+        offset = self.topo.node_comm.exscan(mine) or 0  # None on the node's first rank
+        path = self.node_bb / "raw" / f"node-{self.node:05d}.bin"
+        self.comm.Barrier()
+        start = time.perf_counter()
+        self._node_file(path, arrays, offset)
+        seconds = _max(self.comm, time.perf_counter() - start)
+        if self.leader:
+            path.unlink()
+        return {"bb-write": seconds}
+
+    def bb_write_fpp(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        path = self.node_bb / "raw" / f"rank-{self.rank:05d}.bin"
+        self.comm.Barrier()
+        start = time.perf_counter()
+        write_file(path, list(state.values()))
+        seconds = _max(self.comm, time.perf_counter() - start)
+        path.unlink()
+        return {"bb-write-fpp": seconds}
+
+    def pfs_write(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        path = self.pfs / "raw" / f"rank-{self.rank:05d}.bin"
+        self.comm.Barrier()
+        start = time.perf_counter()
+        write_file(path, list(state.values()))
+        seconds = _max(self.comm, time.perf_counter() - start)
+        path.unlink()
+        return {"pfs-write": seconds}
+
+    def pfs_write_node(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        """One writer per node, as the drain: the leader writes the node's byte count."""
+        arrays = list(state.values())
+        node_bytes = self.topo.node_comm.allreduce(sum(a.nbytes for a in arrays))
+        path = self.pfs / "raw" / f"node-{self.node:05d}.bin"
+        self.comm.Barrier()
+        start = time.perf_counter()
+        if self.leader:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                write_bytes(fd, arrays, node_bytes)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        mine = time.perf_counter() - start
+        idle_barrier(self.comm)
+        seconds = _max(self.comm, mine)
+        if self.leader:
+            path.unlink()
+        return {"pfs-write-node": seconds}
+
+    def h5py_sync(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        import h5py
+
+        path = self.pfs / "h5py" / "checkpoint.h5"
+        comm = self.comm
+        comm.Barrier()
+        start = time.perf_counter()
+        everyone = comm.allgather([(k, a.shape, a.dtype.str) for k, a in state.items()])
+        with h5py.File(path, "w", driver="mpio", comm=comm) as f:
+            for owner, spec in enumerate(everyone):
+                for key, shape, dtype in spec:
+                    f.create_dataset(f"{key}/r{owner:05d}", shape=shape, dtype=dtype)
+            for key, array in state.items():
+                f[f"{key}/r{self.rank:05d}"][...] = array
+        comm.Barrier()
+        if self.rank == 0:
+            _fsync_path(path)
+        seconds = _max(comm, time.perf_counter() - start)
+        if self.rank == 0:
+            path.unlink()
+        return {"h5py-sync": seconds}
+
+    def bbio(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        assert self.ck is not None
+        self.step += 1
+        comm = self.comm
+        comm.Barrier()
+        start = time.perf_counter()
+        handle = self.ck.save(self.step, state)
+        blocking = time.perf_counter() - start
+        handle.wait(COMMIT_TIMEOUT)
+        committed = time.perf_counter() - start
+        if handle.direct or handle.skipped:
+            raise UsageError(
+                f"bbio's save went {'straight to the PFS' if handle.direct else 'skipped'}: "
+                "the numbers would not measure the burst buffer",
+                hint="give --bb a directory with room for two checkpoints of a node",
+            )
+        result = {"bbio": _max(comm, blocking), "bbio-committed": _max(comm, committed)}
+        self._forget_step(self.step)
+        return result
+
+    def _forget_step(self, step: int) -> None:
+        """Collective: once the drains are idle, delete the step in both tiers (untimed)."""
+        assert self.ck is not None
+        if self.leader:
+            deadline = time.monotonic() + COMMIT_TIMEOUT
+            while drain.pending(self.ck.journal) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            _remove(self.ck.bb_dir / layout.step_dirname(step))
+        if self.rank == 0:
+            _remove(self.ck.pfs_dir / layout.step_dirname(step))
+        idle_barrier(self.comm)
+
+    def dcp_async(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        import torch
+        import torch.distributed.checkpoint as dcp
+
+        self.step += 1
+        path = self.pfs / "dcp" / f"step-{self.step:08d}"
+        if self.rank == 0:
+            path.mkdir(parents=True)
+        tensors = {f"rank{self.rank:05d}/{k}": torch.from_numpy(a) for k, a in state.items()}
+        comm = self.comm
+        comm.Barrier()
+        start = time.perf_counter()
+        future = dcp.async_save(tensors, checkpoint_id=str(path))
+        blocking = time.perf_counter() - start
+        getattr(future, "upload_completion", future).result()
+        committed = time.perf_counter() - start
+        result = {
+            "dcp-async": _max(comm, blocking),
+            "dcp-async-committed": _max(comm, committed),
+        }
+        idle_barrier(comm)
+        if self.rank == 0:
+            _remove(path)
+        return result
+
+    # -------------------------------------------------------------- running
+
+    def runners(self) -> list[tuple[str, Callable[[dict[str, np.ndarray]], dict[str, float]]]]:
+        table = {
+            "memcpy": self.memcpy,
+            "bb-write": self.bb_write,
+            "bb-write-fpp": self.bb_write_fpp,
+            "bbio": self.bbio,
+            "h5py-sync": self.h5py_sync,
+            "dcp-async": self.dcp_async,
+            "pfs-write": self.pfs_write,
+            "pfs-write-node": self.pfs_write_node,
+        }
+        chosen = [s for s in SYSTEMS if s in self.args.systems]
+        if not self.use_torch:
+            chosen = [s for s in chosen if s != "dcp-async"]
+        return [(name, table[name]) for name in chosen]
+
+    def round(self, state: dict[str, np.ndarray], repeat: int) -> dict[str, float]:
+        """One measurement of every system, order rotated by ``repeat``."""
+        runners = self.runners()
+        k = repeat % len(runners)
+        seconds: dict[str, float] = {}
+        for _, measure in runners[k:] + runners[:k]:
+            self.prepare()
+            seconds.update(measure(state))
+        return seconds
+
+    def record(self, case: str, total_bytes: int, seconds: dict[str, float]) -> None:
+        add = self.ctx.results.add
+        for system in REPORTED:
+            if system in seconds:
+                add(case, system, "seconds", "s", seconds[system])
+        if "bbio" in seconds:
+            drain_seconds = seconds["bbio-committed"] - seconds["bbio"]
+            add(case, "bbio-drain", "GB_per_s", "GB/s", gb_per_s(total_bytes, drain_seconds))
+        for system in ("pfs-write", "pfs-write-node"):
+            if system in seconds:
+                add(case, system, "GB_per_s", "GB/s", gb_per_s(total_bytes, seconds[system]))
+
+    def warm_up(self) -> None:
+        self.ctx.log(f"warm-up: one untimed round at {size_label(WARMUP_SIZE)} per rank")
+        self.round(make_state(self.rank, WARMUP_SIZE, self.args.arrays), 0)
+
+    def run_size(self, nbytes: int, repeats: int) -> None:
+        case = size_label(nbytes)
+        state = make_state(self.rank, nbytes, self.args.arrays)
+        total = nbytes * self.size
+        self.ctx.log(f"{case} per rank ({size_label(total)} in all): {repeats} repetitions")
+        for repeat in range(repeats):
+            seconds = self.round(state, repeat)
+            self.record(case, total, seconds)
+            shown = ", ".join(f"{k} {v:.3f}" for k, v in seconds.items())
+            self.ctx.log(f"{case} #{repeat + 1}: {shown} s")
+
+
+def _record_in_json(info: dict[str, Any]) -> None:
+    """Add ``info`` to the ``machine`` block the harness writes (it has no other hook)."""
+    original = bench.machine_info
+
+    def machine_info(comm) -> dict[str, Any]:
+        return {**original(comm), "caches_dropped": info["caches_dropped"], "checkpoint": info}
+
+    bench.machine_info = machine_info
+
+
+@suite(
+    "checkpoint",
+    "checkpoint save: bbio (blocking, committed) vs h5py, torch DCP async_save, raw limits",
+    _arguments,
+)
+def run(ctx: BenchContext) -> None:
+    """Warm up, then measure every size; rank 0 records the setting in the JSON."""
+    comm, args = ctx.comm, ctx.args
+    sizes = args.sizes or list(QUICK_SIZES if ctx.quick else FULL_SIZES)
+    repeats = args.repeats or (2 if ctx.quick else 5)
+    if comm.Get_size() % RANKS_PER_NODE:
+        raise UsageError(f"the checkpoint suite needs a multiple of {RANKS_PER_NODE} ranks")
+    use_torch, torch_note = _torch_status(comm, "dcp-async" in args.systems)
+    if not use_torch:
+        ctx.log(f"dcp-async and dcp-async-committed are skipped: {torch_note}")
+    paths = None
+    if ctx.rank == 0:
+        pfs_base = Path(args.pfs or tempfile.gettempdir())
+        pfs_base.mkdir(parents=True, exist_ok=True)
+        Path(args.bb).mkdir(parents=True, exist_ok=True)
+        pfs = tempfile.mkdtemp(prefix="bbio-bench-checkpoint-", dir=pfs_base)
+        bb = tempfile.mkdtemp(prefix="bbio-bench-checkpoint-", dir=args.bb)
+        paths = (pfs, bb)
+    pfs, bb = (Path(p) for p in comm.bcast(paths, root=0))
+    ctx.log(
+        f"checkpoint suite: {comm.Get_size()} ranks in nodes of {RANKS_PER_NODE}; "
+        f"PFS {pfs} ({fs_type(pfs)}), burst buffers {bb} ({fs_type(bb)}); "
+        f"sizes {', '.join(size_label(s) for s in sizes)} per rank; {repeats} repetitions"
+    )
+    runner = CheckpointBench(ctx, pfs, bb, use_torch)
+    ctx.nodes = runner.nodes
+    try:
+        runner.start()
+        runner.warm_up()
+        for nbytes in sizes:
+            runner.run_size(nbytes, repeats)
+        runner.stop()
+    finally:
+        # Not collective: after a failure the harness aborts every rank (the drains
+        # then exit too: their parent is gone, their journal removed).
+        if runner.stopped:
+            idle_barrier(comm)
+        if ctx.rank == 0:
+            shutil.rmtree(pfs, ignore_errors=True)
+            shutil.rmtree(bb, ignore_errors=True)
+    if ctx.rank == 0:
+        if args.drop_caches and not all(runner.drops):
+            ctx.log("could not drop the page cache (needs root): the PFS may be written warm")
+        _record_in_json(
+            {
+                "caches_dropped": bool(runner.drops) and all(runner.drops),
+                "drop_caches_requested": bool(args.drop_caches),
+                "pfs": str(pfs),
+                "pfs_fstype": fs_type(pfs),
+                "bb": str(bb),
+                "bb_fstype": fs_type(bb),
+                "ranks_per_node": RANKS_PER_NODE,
+                "sizes_per_rank": sizes,
+                "arrays_per_rank": args.arrays,
+                "repeats": repeats,
+                "systems": [s for s in SYSTEMS if s in args.systems],
+                "torch": torch_note if use_torch else None,
+                "dcp_skipped": None if use_torch else torch_note,
+                "warmup_size_per_rank": WARMUP_SIZE,
+            }
+        )
