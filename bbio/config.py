@@ -88,6 +88,13 @@ class Config:
         "buffer has room), block (wait for the drain) or skip (do not save this one).",
         choices=("queue", "block", "skip"),
     )
+    ckpt_verify: str = _setting(
+        "cache",
+        "How the drain verifies a PFS copy before committing it: cache (read it back "
+        "through the file system client after fsync, default) or device (drop the cached "
+        "pages first so the bytes come from the servers' storage; one extra cold read).",
+        choices=("cache", "device"),
+    )
     replicate_round_bytes: int = _setting(
         64 << 20,
         "Replicate mode: bytes each rank reads from the source per round before the "

@@ -77,6 +77,10 @@ def test_save_drain_commit_and_restore_per_rank_state(comm, shared_tmp):
         assert step == 20 and same(arrays, state(20, rank))
     pfs = shared_tmp / "pfs" / "ckpt" / "run"
     assert drain.committed_steps(pfs) == [20, 30]  # keep_pfs
+    for node in range(2):  # keep_bb: the drains trimmed step 10 once it was committed
+        bb = shared_tmp / "bb" / str(node) / "ckpt" / "run"
+        kept = sorted((p.name, sorted(c.name for c in p.iterdir())) for p in bb.glob("step-*"))
+        assert [name for name, _ in kept] == ["step-00000020", "step-00000030"], kept
     assert ckpt_states[30].pfs == "committed" and ckpt_states[30].bb == "all nodes"
     manifest = json.loads((pfs / "step-00000030" / "manifest.json").read_text())
     assert manifest["ranks"] == comm.Get_size() and manifest["nodes"] == 2
@@ -88,7 +92,7 @@ def test_save_drain_commit_and_restore_per_rank_state(comm, shared_tmp):
 
 
 def test_global_arrays_restore_any_slice_with_fewer_ranks(comm, shared_tmp):
-    config = config_for(comm, shared_tmp)
+    config = config_for(comm, shared_tmp, ckpt_verify="device")  # the cold read-back too
     size, rank = comm.Get_size(), comm.Get_rank()
     full = np.arange(size * 6 * 5, dtype=np.float64).reshape(size * 6, 5)
     mine = {"weights": bbio.Shard(full[rank * 6 : (rank + 1) * 6], (rank * 6, 0), full.shape)}

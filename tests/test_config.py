@@ -67,3 +67,15 @@ def test_unknown_and_malformed_file(tmp_path):
         load_config(config_file=toml, env={})
     with pytest.raises(ConfigError, match="unknown setting 'nope'"):
         load_config(env={}, nope=1)
+
+
+def test_every_setting_is_documented_with_its_variable_and_choices():
+    from bbio.config import SETTINGS
+
+    table = (Path(__file__).parents[1] / "docs" / "configuration.md").read_text()
+    rows = {line.split("|")[1].strip(" `"): line for line in table.splitlines() if "| `" in line}
+    for name, field in SETTINGS.items():
+        assert name in rows, f"docs/configuration.md has no row for {name}"
+        assert f"BBIO_{name.upper()}" in rows[name]
+        for choice in field.metadata["choices"]:
+            assert f"`{choice}`" in rows[name], f"{name}: choice {choice} is not documented"

@@ -10,7 +10,6 @@ valid copy, from the PFS otherwise, and skips copies that fail verification.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -125,6 +124,7 @@ class Checkpointer:
         if policy not in ("queue", "block", "skip"):
             raise UsageError(f"backpressure must be queue, block or skip, got {policy!r}")
         self.name, self.keep_bb, self.keep_pfs, self.backpressure = name, keep_bb, keep_pfs, policy
+        self.verify = config.ckpt_verify
         self.comm = comm.Dup()
         self.topo = topology(self.comm, config.ranks_per_node)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
@@ -246,6 +246,8 @@ class Checkpointer:
                 str(step_dir),
                 str(self.pfs_dir / layout.step_dirname(step)),
                 self.keep_pfs,
+                self.keep_bb,
+                self.verify,
             ),
         )
 
@@ -273,17 +275,21 @@ class Checkpointer:
     def _prepare(self, step: int, node_bytes: int) -> bool:
         """Collective: clear the way for ``step``; True if every burst buffer can hold it.
 
-        Drops older copies of the step, trims drained BB copies and checks each
-        node's free space; if any node lacks room, the checkpoint goes straight
-        to the PFS (said once).  One agreement for all of it.
+        Drops older copies of the step and checks each node's free space.  The
+        drain trims drained BB copies beyond ``keep_bb`` in the background; a
+        node short of room trims them here first.  If a node still lacks room,
+        the checkpoint goes straight to the PFS (said once).  One agreement for
+        all of it.
         """
 
         def prepare() -> tuple | None:
             self._forget(step)
             if not self.topo.is_leader:
                 return None
-            self._trim_bb(keep=self.keep_bb - 1)
             free = files.free_bytes(self.bb_dir)
+            if node_bytes > free:
+                self._trim_bb(keep=self.keep_bb - 1)
+                free = files.free_bytes(self.bb_dir)
             fits = node_bytes <= free
             target = self.bb_dir if fits else self.pfs_dir
             (target / layout.step_dirname(step)).mkdir(parents=True, exist_ok=True)
@@ -308,16 +314,7 @@ class Checkpointer:
     def _trim_bb(self, keep: int) -> None:
         """Delete this node's oldest BB copies beyond ``keep``, if committed on the PFS."""
         queued = {t.step for t in drain.pending(self.journal)}
-        copies = sorted(reader.bb_copies(self.bb_dir, self.node))
-        for step in copies[: max(len(copies) - keep, 0)]:
-            pfs_done = reader.pfs_manifest(self.pfs_dir, step) is not None
-            if step in queued or not pfs_done:
-                continue  # still draining, or the only complete copy
-            step_dir = self.bb_dir / layout.step_dirname(step)
-            for name in (layout.node_record_name(self.node), layout.node_filename(self.node)):
-                (step_dir / name).unlink(missing_ok=True)
-            with contextlib.suppress(OSError):
-                step_dir.rmdir()
+        drain.trim_bb(self.bb_dir, self.node, keep, self.pfs_dir, queued)
 
     def _start_drain(self) -> None:
         if self._drain is not None and self._drain.poll() is None:
@@ -484,12 +481,17 @@ class Checkpointer:
         return infos
 
     def close(self, wait: bool = True, timeout: float | None = None) -> None:
-        """Collective: optionally wait until every save is committed, then stop the drains."""
+        """Collective: optionally wait until every save is committed, then stop the drains.
+
+        Returns on every rank once every node's drain has stopped.  The
+        ``timeout`` is agreed: every rank raises the same error at once.
+        """
         try:
             if wait:
                 deadline = None if timeout is None else time.monotonic() + timeout
                 while self._busy():
-                    if deadline is not None and time.monotonic() > deadline:
+                    late = deadline is not None and time.monotonic() > deadline
+                    if self.comm.allreduce(late, op=_lor()):
                         raise BBIOTimeoutError(
                             f"checkpoints of {self.name} still draining after {timeout:.0f} s",
                             hint="'bbio ckpt drain --finish' completes them",
@@ -500,6 +502,7 @@ class Checkpointer:
                 files.write_json_atomic(self.journal / drain.STOP, {"time": time.time()})
                 if self._drain is not None and wait:
                     self._drain.wait()
+            self.comm.Barrier()
             self.topo.free()
             self.comm.Free()
 

@@ -14,17 +14,20 @@ and the checkpoint committed if this node was the last, so replaying the
 journal after a crash is idempotent.
 
 For each task: copy ``node-N.h5`` (native copy, CRC32C in the same pass) to
-the PFS under a temporary name, fsync, rename; re-read it from the device and
-compare; write the node's record (size, CRC32C) on the PFS and on the BB; then,
-if every node's record is there, take the commit lock, write ``global.h5``
-(virtual datasets over the node files) and ``manifest.json`` last, and apply
-PFS retention.  Failures are retried with exponential backoff, and reported in
-``status.json``.
+the PFS under a temporary name, fsync, rename; read it back (through the
+client cache, or from the device: ``ckpt_verify``) and compare; write the
+node's record (size, CRC32C) on the PFS and on the BB; then, if every node's
+record is there, take the commit lock, write ``global.h5`` (virtual datasets
+over the node files) and ``manifest.json`` last, and apply PFS retention;
+finally trim this node's BB copies beyond ``keep_bb`` that are committed
+(again every second while idle, as other nodes commit).  Failures are
+retried with exponential backoff, and reported in ``status.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import fcntl
 import json
@@ -49,6 +52,8 @@ GLOBAL_VIEW = "global.h5"
 MANIFEST_FORMAT = "bbio-checkpoint/1"
 STALE_LOCK_SECONDS = 120.0
 MAX_BACKOFF_SECONDS = 30.0
+IDLE_TRIM_SECONDS = 1.0
+POLL_SECONDS = 0.02  # the journal is on the BB: a listing costs microseconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +67,8 @@ class Task:
     bb_step_dir: str
     pfs_step_dir: str
     keep_pfs: int
+    keep_bb: int = 2
+    verify: str = "cache"  # ckpt_verify: read back through the client cache, or the device
 
     @property
     def source(self) -> Path:
@@ -167,7 +174,7 @@ def copy_node_file(task: Task) -> dict[str, int]:
     temp = files.temp_path(task.target)
     result = _native.copy_file(task.source, temp, checksum=True)
     files.commit([files.Commit(task.target, 0o644, time.time_ns())])
-    size, crc = files.checksum_file(task.target, drop_cache=True)
+    size, crc = files.checksum_file(task.target, drop_cache=task.verify == "device")
     if size != result.nbytes or crc != result.crc32c:
         raise IntegrityError(
             f"the copy reads back as {size} bytes, CRC32C {crc:08x}; "
@@ -298,10 +305,44 @@ def _remove_tree(path: Path) -> None:
 # ------------------------------------------------------------------ the loop
 
 
+def trim_bb(bb_ckpt_dir: Path, node: int, keep: int, pfs_ckpt_dir: Path, queued: set[int]) -> None:
+    """Delete ``node``'s oldest BB copies beyond the ``keep`` newest, if committed on the PFS.
+
+    A copy still queued for draining, or not yet committed (the only complete
+    copy), is kept; one that PFS retention already dropped (a newer step is
+    committed) goes.  Not collective: the node's drain calls it after each
+    task, and a save calls it when the burst buffer is short of room.
+    """
+    copies = sorted(
+        step
+        for entry in (bb_ckpt_dir.iterdir() if bb_ckpt_dir.is_dir() else ())
+        if (step := layout.parse_step(entry.name)) is not None
+        and (entry / layout.node_record_name(node)).exists()
+    )
+    committed = committed_steps(pfs_ckpt_dir)
+    for step in copies[: max(len(copies) - keep, 0)]:
+        name = layout.step_dirname(step)
+        if step in queued or not any(done >= step for done in committed):
+            continue
+        for stale in (layout.node_record_name(node), layout.node_filename(node)):
+            (bb_ckpt_dir / name / stale).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            (bb_ckpt_dir / name).rmdir()
+
+
+def _trim_after(journal: Path, task: Task) -> None:
+    """BB retention for ``task``'s node and checkpointer (tolerates a vanished directory)."""
+    queued = {t.step for t in pending(journal)}
+    bb_ckpt_dir, pfs_ckpt_dir = Path(task.bb_step_dir).parent, Path(task.pfs_step_dir).parent
+    with contextlib.suppress(OSError):
+        trim_bb(bb_ckpt_dir, task.node, task.keep_bb, pfs_ckpt_dir, queued)
+
+
 def _process(journal: Path, task: Task) -> None:
     copy_node_file(task)
     try_commit(Path(task.pfs_step_dir), task.nodes, task.keep_pfs)
     task_path(journal, task.step).unlink(missing_ok=True)
+    _trim_after(journal, task)
 
 
 def _parent_alive(pid: int | None) -> bool:
@@ -339,19 +380,27 @@ def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) 
                 return 1
             time.sleep(0.2)
     retries, backoff = 0, 1.0
+    last: Task | None = None  # the last task drained: whose BB copies to trim when idle
+    trimmed_at = 0.0
     _write_status(journal, state="idle", error=None, retries=0)
     while True:
         tasks = pending(journal)
         if not tasks:
+            if last is not None and time.monotonic() - trimmed_at > IDLE_TRIM_SECONDS:
+                _trim_after(journal, last)  # other nodes may have committed since
+                trimmed_at = time.monotonic()
             if finish or (journal / STOP).exists() or not _parent_alive(parent):
+                if last is not None:
+                    _trim_after(journal, last)
                 _write_status(journal, state="idle", error=None, retries=0)
                 return 0
-            time.sleep(0.1)
+            time.sleep(POLL_SECONDS)
             continue
         task = tasks[0]
         try:
             _write_status(journal, state="copying", step=task.step, error=None, retries=retries)
             _process(journal, task)
+            last, trimmed_at = task, time.monotonic()
             retries, backoff = 0, 1.0
         except (BBIOError, OSError) as exc:
             retries += 1
