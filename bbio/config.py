@@ -82,6 +82,11 @@ class Config:
     read_max_bytes: int = _setting(
         16 << 20, "Collective reads: the largest single read (larger samples take several)."
     )
+    read_round_bytes: int = _setting(
+        4 << 20,
+        "Collective reads: an aggregator reads in rounds of about this many bytes (at most 8 "
+        "per call), reading the next round while the ranks exchange the last one.",
+    )
     ckpt_backpressure: str = _setting(
         "queue",
         "A save while earlier checkpoints still drain: queue (default, while the burst "

@@ -171,6 +171,20 @@ def agreed_allgather(comm, what: str, fn: Callable[[], T]) -> list[T]:
     return [value for _, value in outcomes]
 
 
+def wait_quietly(*requests, poll: float = 0.0002) -> None:
+    """Not collective: wait for non-blocking MPI ``requests`` without spinning.
+
+    MPI's blocking waits poll the network at full speed; a rank that only
+    waits for others then takes CPU time from the ranks (and file system
+    daemons) doing the work.  This tests the requests and sleeps ``poll``
+    seconds between tests (each test also drives their progress).
+    """
+    from mpi4py import MPI
+
+    while not MPI.Request.Testall(list(requests)):
+        time.sleep(poll)
+
+
 def wait_all_ranks(comm, timeout: float, what: str) -> None:
     """Collective over ``comm``: a barrier that raises instead of waiting forever.
 

@@ -141,6 +141,36 @@ def test_a_file_that_vanished_after_opening_is_reported_on_every_rank(comm, data
         assert comm.allgather(str(info.value)) == [str(info.value)] * comm.Get_size()
 
 
+@pytest.mark.parametrize("kind", ["packed", "files", "hdf5"])
+def test_reads_in_many_rounds_give_the_same_bytes(comm, datasets, kind):
+    root, sizes, _ = datasets
+    config = config_for(comm, root.parent, read_round_bytes=512)  # up to 8 rounds per read
+    path = root / ("fixed.h5" if kind == "hdf5" else kind)
+    with bbio.open_dataset(comm, path, config=config) as ds:
+        ids = my_ids(comm, seed=11, count=30)
+        got = ds.read(ids)
+        if kind == "hdf5":
+            assert got.tobytes() == np.stack([expected_fixed(i) for i in ids]).tobytes()
+        else:
+            assert [g.tobytes() for g in got] == [expected_variable(i, sizes) for i in ids]
+
+
+def test_a_read_failing_in_a_later_round_is_reported_on_every_rank(comm, datasets):
+    root, _, _ = datasets
+    config = config_for(comm, root.parent, read_round_bytes=256)
+    with bbio.open_dataset(comm, root / "files", config=config) as ds:
+        comm.Barrier()
+        if comm.Get_rank() == 0:  # the last file: read in its aggregator's last round
+            os.rename(root / "files" / f"s{SAMPLES - 1:04d}.bin", root / "last.moved")
+        comm.Barrier()
+        ids = np.arange(comm.Get_rank(), SAMPLES, comm.Get_size())
+        with pytest.raises(bbio.NotFoundError) as info:
+            ds.read(ids)
+        assert f"s{SAMPLES - 1:04d}.bin" in str(info.value)
+        assert comm.allgather(str(info.value)) == [str(info.value)] * comm.Get_size()
+        assert len(ds.read([0])) == 1  # still usable afterwards
+
+
 @pytest.mark.parametrize("mode", ["replicate", "shard"])
 def test_staged_copies_are_read_from_the_burst_buffers(comm, datasets, mode):
     root, sizes, config = datasets

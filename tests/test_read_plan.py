@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bbio.read import sampler
-from bbio.read.plan import Extents, Holders, make_plan
+from bbio.read.plan import Extents, Holders, make_plan, split_rounds
 
 
 def fake_files(sizes, seed=0):
@@ -117,6 +117,50 @@ def test_file_domains_split_the_work_between_aggregators():
         mine = plan.read_offset[plan.read_agg == a]
         if a < 3:
             assert mine.max() < plan.read_offset[plan.read_agg == a + 1].min()
+
+
+@pytest.mark.parametrize("round_bytes", [1, 500, 3000, 1 << 30])
+def test_rounds_cut_each_aggregator_buffer_in_order_and_keep_requests_whole(round_bytes):
+    files = fake_files([50_000, 20_000], seed=4)
+    extents = fixed_extents(files, 100)
+    rng = np.random.default_rng(5)
+    requests = [rng.integers(0, len(extents), size) for size in (40, 3, 25, 0)]
+    plan = plan_for(
+        requests,
+        extents,
+        files,
+        rank_node=[0, 0, 1, 1],
+        aggregators=[0, 2],
+        max_read=650,
+        max_hole=1 << 20,
+    )
+    rounds = split_rounds(plan, round_bytes, max_rounds=8)
+    per_agg = [plan.buffer_bytes(a) for a in range(2)]
+    assert rounds.count == min(8, max(1, -(-max(per_agg) // round_bytes)))
+    for a in range(2):
+        mine = np.flatnonzero(plan.read_agg == a)
+        mine = mine[np.argsort(plan.read_buf[mine])]
+        assert np.all(np.diff(rounds.read_round[mine]) >= 0)  # buffer order
+        if per_agg[a] >= rounds.count * 650:  # enough bytes: no round is empty
+            assert set(rounds.read_round[mine].tolist()) == set(range(rounds.count))
+    straddling = 0
+    for j in range(plan.req_length.size):  # every read a request needs is done by its round
+        a, start, end = plan.req_agg[j], plan.req_buf[j], plan.req_buf[j] + plan.req_length[j]
+        overlaps = (
+            (plan.read_agg == a)
+            & (plan.read_buf < end)
+            & (plan.read_buf + plan.read_length > start)
+        )
+        straddling += int(overlaps.sum() > 1)
+        assert rounds.req_round[j] == rounds.read_round[overlaps].max()
+    assert straddling > 0  # max_read 650 cuts some 100-byte samples in two
+
+
+def test_rounds_of_an_empty_plan():
+    files = fake_files([1000])
+    plan = plan_for([[], []], fixed_extents(files, 100), files, rank_node=[0, 0], aggregators=[0])
+    rounds = split_rounds(plan, 10)
+    assert rounds.count == 1 and rounds.read_round.size == 0 and rounds.req_round.size == 0
 
 
 def test_files_in_a_nodes_burst_buffer_are_served_by_that_node():

@@ -21,6 +21,7 @@ merged reads with many requests in flight (native batched reads), and one
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 from collections.abc import Sequence
@@ -37,8 +38,8 @@ from bbio.errors import (
     UsageError,
     from_oserror,
 )
-from bbio.mpi import agreed, topology
-from bbio.read.plan import Extents, Holders, ReadPlan, make_plan
+from bbio.mpi import agreed, topology, wait_quietly
+from bbio.read.plan import Extents, Holders, ReadPlan, Rounds, make_plan, split_rounds
 from bbio.stage import registry
 from bbio.stage.pack import INDEX_NAME, read_index
 from bbio.stage.walk import walk
@@ -297,6 +298,7 @@ class Dataset:
             _stripe_size(self._path(0)) if comm.Get_rank() == 0 and layout.files else 4096
         )
         self._fds: dict[int, int] = {}
+        self._reader: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __len__(self) -> int:
         return len(self.layout.extents)
@@ -357,21 +359,55 @@ class Dataset:
             self.config.read_max_bytes,
         )
         agg = plan.aggregators.index(rank) if rank in plan.aggregators else -1
+        rounds = split_rounds(plan, self.config.read_round_bytes)
+        buffer = np.empty(plan.buffer_bytes(agg) if agg >= 0 else 0, dtype=np.uint8)
+        out = self._output(counts[rank])
         failure: Exception | None = None
-        buffer = np.zeros(0, dtype=np.uint8)
-        if agg >= 0:
+        reading = self._read_round(plan, agg, buffer, rounds, 0)
+        for k in range(rounds.count):
             try:
-                buffer = self._aggregate(plan, agg)
+                if reading is not None:
+                    reading.result()
             except Exception as exc:
                 failure = exc
-                buffer = np.zeros(plan.buffer_bytes(agg), dtype=np.uint8)
-        received, starts, statuses = self._exchange(plan, buffer, agg, failure is not None)
-        if statuses.any():  # every rank received every aggregator's status
-            with agreed(self.comm, "collective read"):
-                if failure is not None:
-                    raise failure
+            reading = None
+            if failure is None and k + 1 < rounds.count:
+                reading = self._read_round(plan, agg, buffer, rounds, k + 1)
+            chosen = rounds.req_round == k
+            statuses = self._exchange(plan, buffer, agg, failure is not None, chosen, out)
+            if statuses.any():  # every rank received every aggregator's status
+                if reading is not None:
+                    concurrent.futures.wait([reading])
+                with agreed(self.comm, "collective read"):
+                    if failure is not None:
+                        raise failure
         self._count(plan, requests)
-        return self._assemble(plan, received, starts, rank, counts[rank])
+        return out
+
+    def _read_round(
+        self, plan: ReadPlan, agg: int, buffer: np.ndarray, rounds: Rounds, k: int
+    ) -> concurrent.futures.Future | None:
+        """Start reading this aggregator's round ``k`` (in the background when it is not the
+        only round); None if this rank reads nothing."""
+        if agg < 0:
+            return None
+        mine = np.flatnonzero((plan.read_agg == agg) & (rounds.read_round == k))
+        if rounds.count == 1:
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            try:
+                self._aggregate(plan, mine, buffer)
+                done.set_result(None)
+            except Exception as exc:
+                done.set_exception(exc)
+            return done
+        if self._reader is None:
+            self._reader = concurrent.futures.ThreadPoolExecutor(1, "bbio-read")
+        return self._reader.submit(self._aggregate, plan, mine, buffer)
+
+    def _output(self, count: int):
+        if self.fixed_size:
+            return np.empty((count, *self.layout.sample_shape), dtype=np.dtype(self.layout.dtype))
+        return [np.zeros(0, dtype=np.uint8)] * count
 
     def _path(self, f: int) -> str:
         return self.local.get(f, self.layout.files[f])
@@ -387,9 +423,10 @@ class Dataset:
             self._fds[f] = fd
         return fd
 
-    def _aggregate(self, plan: ReadPlan, agg: int) -> np.ndarray:
-        mine = np.flatnonzero(plan.read_agg == agg)
-        buffer = np.empty(int(plan.read_length[mine].sum()), dtype=np.uint8)
+    def _aggregate(self, plan: ReadPlan, mine: np.ndarray, buffer: np.ndarray) -> None:
+        """Read the plan's reads ``mine`` into their places in ``buffer``."""
+        if mine.size == 0:
+            return
         files = plan.read_file[mine]
         got = _native.pread_batch(
             [self._fd(int(f)) for f in files],
@@ -408,74 +445,77 @@ class Dataset:
                 node=self.node,
                 hint="the dataset changed after it was opened; open it again",
             )
-        return buffer
 
     def _exchange(
-        self, plan: ReadPlan, buffer: np.ndarray, agg: int, failed: bool
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """One Alltoallv: every aggregator sends each rank a status byte, then that rank's bytes.
+        self,
+        plan: ReadPlan,
+        buffer: np.ndarray,
+        agg: int,
+        failed: bool,
+        chosen: np.ndarray,
+        out,
+    ) -> np.ndarray:
+        """Hand out the ``chosen`` requests (one round); returns every aggregator's status.
 
-        Returns the received buffer, where each of this rank's requests starts
-        in it (by request index of the plan), and every aggregator's status.
+        One ``Alltoallw`` whose datatypes index the aggregator's buffer on the
+        sending side and the output rows on the receiving side, so the bytes
+        move once; next to it an ``Allgather`` of each rank's failure flag.
         """
         from mpi4py import MPI
 
-        size = self.comm.Get_size()
-        rank = self.comm.Get_rank()
+        size, rank = self.comm.Get_size(), self.comm.Get_rank()
         aggs = np.asarray(plan.aggregators, dtype=np.int64)
-        send_counts = np.zeros(size, dtype=np.int64)
-        pieces: list[np.ndarray] = []
-        if agg >= 0:
-            send_counts[:] = 1
-            mine = np.flatnonzero(plan.req_agg == agg)
-            mine = mine[np.lexsort((plan.req_pos[mine], plan.req_rank[mine]))]
-            np.add.at(send_counts, plan.req_rank[mine], plan.req_length[mine])
-            status = np.array([int(failed)], dtype=np.uint8)
-            by_rank = np.searchsorted(plan.req_rank[mine], np.arange(size + 1))
-            for r in range(size):
-                pieces.append(status)
-                for i in mine[by_rank[r] : by_rank[r + 1]].tolist():
-                    start = int(plan.req_buf[i])
-                    pieces.append(buffer[start : start + int(plan.req_length[i])])
-        send = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.uint8)
-        asked = np.flatnonzero(plan.req_rank == rank)
-        asked = asked[np.lexsort((plan.req_pos[asked], plan.req_agg[asked]))]
-        recv_counts = np.zeros(size, dtype=np.int64)
-        recv_counts[aggs] = 1
-        np.add.at(recv_counts, aggs[plan.req_agg[asked]], plan.req_length[asked])
-        received = np.empty(int(recv_counts.sum()), dtype=np.uint8)
-        recv_displs = _displs(recv_counts)
-        self.comm.Alltoallv(
-            [send, (send_counts, _displs(send_counts)), MPI.BYTE],
-            [received, (recv_counts, recv_displs), MPI.BYTE],
-        )
-        statuses = received[recv_displs[aggs]]
-        # within each aggregator's block: the status byte, then requests in position order
-        lengths = plan.req_length[asked]
-        block = aggs[plan.req_agg[asked]]
-        before = np.cumsum(lengths) - lengths
-        first_in_block = np.searchsorted(block, block, side="left")
-        starts = np.zeros(plan.req_rank.size, dtype=np.int64)
-        starts[asked] = recv_displs[block] + 1 + before - before[first_in_block]
-        return received, starts, statuses
+        created: list = []
 
-    def _assemble(
-        self, plan: ReadPlan, received: np.ndarray, starts: np.ndarray, rank: int, count: int
-    ):
-        asked = np.flatnonzero(plan.req_rank == rank)
-        positions = plan.req_pos[asked].tolist()
-        offsets = starts[asked].tolist()
-        lengths = plan.req_length[asked].tolist()
+        def indexed(lengths: np.ndarray, displacements: np.ndarray):
+            kind = MPI.BYTE.Create_hindexed(lengths.tolist(), displacements.tolist()).Commit()
+            created.append(kind)
+            return kind
+
+        send_types, send_counts = [MPI.BYTE] * size, [0] * size
+        if agg >= 0:
+            mine = np.flatnonzero((plan.req_agg == agg) & chosen)
+            mine = mine[np.lexsort((plan.req_pos[mine], plan.req_rank[mine]))]
+            bounds = np.searchsorted(plan.req_rank[mine], np.arange(size + 1))
+            for r in np.flatnonzero(np.diff(bounds)).tolist():
+                part = mine[bounds[r] : bounds[r + 1]]
+                send_types[r] = indexed(plan.req_length[part], plan.req_buf[part])
+                send_counts[r] = 1
+        asked = np.flatnonzero((plan.req_rank == rank) & chosen)
+        asked = asked[np.lexsort((plan.req_pos[asked], plan.req_agg[asked]))]
+        lengths = plan.req_length[asked]
         if self.fixed_size:
-            out = np.empty((count, *self.layout.sample_shape), dtype=np.dtype(self.layout.dtype))
-            flat = out.reshape(count, -1).view(np.uint8)
-            for pos, start, length in zip(positions, offsets, lengths, strict=True):
-                flat[pos] = received[start : start + length]
-            return out
-        samples: list[np.ndarray] = [np.zeros(0, dtype=np.uint8)] * count
-        for pos, start, length in zip(positions, offsets, lengths, strict=True):
-            samples[pos] = received[start : start + length]
-        return samples
+            target = out.reshape(-1).view(np.uint8)
+            row = out.itemsize * int(np.prod(out.shape[1:], dtype=np.int64))
+            places = plan.req_pos[asked] * row
+        else:
+            target = np.empty(int(lengths.sum()), dtype=np.uint8)
+            places = np.cumsum(lengths) - lengths
+        recv_types, recv_counts = [MPI.BYTE] * size, [0] * size
+        bounds = np.searchsorted(plan.req_agg[asked], np.arange(aggs.size + 1))
+        for a in np.flatnonzero(np.diff(bounds)).tolist():
+            part = slice(bounds[a], bounds[a + 1])
+            recv_types[aggs[a]] = indexed(lengths[part], places[part])
+            recv_counts[aggs[a]] = 1
+        statuses = np.zeros(size, dtype=np.uint8)
+        zeros = [0] * size
+        try:
+            wait_quietly(
+                self.comm.Iallgather(np.array([failed], dtype=np.uint8), statuses),
+                self.comm.Ialltoallw(
+                    [buffer, (send_counts, zeros), send_types],
+                    [target, (recv_counts, zeros), recv_types],
+                ),
+            )
+        finally:
+            for kind in created:
+                kind.Free()
+        if not self.fixed_size:
+            for pos, start, length in zip(
+                plan.req_pos[asked].tolist(), places.tolist(), lengths.tolist(), strict=True
+            ):
+                out[pos] = target[start : start + length]
+        return statuses[aggs]
 
     def _count(self, plan: ReadPlan, requests: Sequence[np.ndarray]) -> None:
         ids = np.unique(np.concatenate([np.asarray(r, dtype=np.int64) for r in requests]))
@@ -487,6 +527,9 @@ class Dataset:
 
     def close(self) -> None:
         """Collective: close the files and free the communicator."""
+        if self._reader is not None:
+            self._reader.shutdown()
+            self._reader = None
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

@@ -20,6 +20,8 @@ length).  The plan:
 
 Everything is vectorised with NumPy.  From the result every rank derives what
 it sends to and receives from every other in one ``Alltoallv``.
+:func:`split_rounds` cuts a plan into rounds, so that the aggregators read
+round k+1 while the ranks exchange round k.
 """
 
 from __future__ import annotations
@@ -210,3 +212,46 @@ def make_plan(
         req_length=lengths,
         aggregators=tuple(int(a) for a in aggregators),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Rounds:
+    """A plan cut into rounds: ``read_round[i]`` and ``req_round[j]`` in ``range(count)``."""
+
+    read_round: np.ndarray
+    req_round: np.ndarray
+    count: int
+
+
+def split_rounds(plan: ReadPlan, round_bytes: int, max_rounds: int = 8) -> Rounds:
+    """Cut every aggregator's reads into the same number of rounds, in buffer order.  Pure.
+
+    While the ranks exchange round k, the aggregators read round k+1.  The
+    count is what the busiest aggregator needs for rounds of about
+    ``round_bytes`` (at most ``max_rounds``); each aggregator's reads are split
+    by bytes.  A request (which may span several reads, cut at ``max_read``)
+    belongs to the round of the read that holds its last byte, the latest.
+    """
+    reads, requests = plan.read_length.size, plan.req_length.size
+    if reads == 0:
+        return Rounds(np.zeros(0, np.int64), np.zeros(requests, np.int64), 1)
+    aggs = len(plan.aggregators)
+    per_agg = np.bincount(plan.read_agg, weights=plan.read_length, minlength=aggs)
+    count = int(min(max_rounds, max(1, -(-int(per_agg.max()) // round_bytes))))
+    read_round = np.zeros(reads, dtype=np.int64)
+    req_round = np.zeros(requests, dtype=np.int64)
+    if count == 1:
+        return Rounds(read_round, req_round, 1)
+    for agg in range(aggs):
+        mine = np.flatnonzero(plan.read_agg == agg)
+        if mine.size == 0:
+            continue
+        mine = mine[np.argsort(plan.read_buf[mine], kind="stable")]
+        lengths = plan.read_length[mine]
+        before = np.cumsum(lengths) - lengths
+        read_round[mine] = before * count // int(lengths.sum())
+        served = np.flatnonzero(plan.req_agg == agg)
+        last_byte = plan.req_buf[served] + np.maximum(plan.req_length[served] - 1, 0)
+        holder = np.searchsorted(plan.read_buf[mine], last_byte, side="right") - 1
+        req_round[served] = read_round[mine[holder]]
+    return Rounds(read_round, req_round, count)
