@@ -133,3 +133,19 @@ def doc_value(doc: dict, case: str, system: str, metric: str) -> float:
         if (r["case"], r["system"], r["metric"]) == (case, system, metric):
             return r["median"]
     raise KeyError((case, system, metric))
+
+
+def test_compute_ratio_sets_the_loader_compute_from_bbio_step_time(tmp_path):
+    out, pfs = tmp_path / "read.json", tmp_path / "pfs"
+    args = ["-m", "bbio.bench", "read", "--pfs", str(pfs), *TINY, "--cases", "resnet50"]
+    result = run_mpi(
+        RANKS, *args, "--systems", "bbio,bbio-loader", "--compute-ratio", "1.5", "--json", str(out)
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    info = json.loads(out.read_text())["machine"]["read"]
+    assert info["compute_ratio"] == 1.5
+    bbio_step = info["bbio_step_s"]["resnet50"]
+    assert bbio_step > 0 and info["loader_compute_s"]["resnet50"] == 1.5 * bbio_step
+    refused = run_mpi(RANKS, *args, "--systems", "bbio-loader", "--compute-ratio", "1.5")
+    assert refused.returncode != 0
+    assert "--compute-ratio needs the bbio system" in refused.stdout + refused.stderr

@@ -51,7 +51,7 @@ def execute(plan, files):
 
 def plan_for(requests, extents, files, *, rank_node, aggregators, holders=None, **kw):
     counts = [len(r) for r in requests]
-    settings = {"stripe": 4096, "max_hole": 0, "max_read": 1 << 20, **kw}
+    settings = {"stripe": 4096, "max_hole": 0, "max_read": 1 << 20, "hole_fraction": 0.1, **kw}
     return make_plan(
         np.repeat(np.arange(len(requests)), counts),
         np.concatenate([np.arange(c) for c in counts]),
@@ -64,6 +64,7 @@ def plan_for(requests, extents, files, *, rank_node, aggregators, holders=None, 
         settings["stripe"],
         settings["max_hole"],
         settings["max_read"],
+        settings["hole_fraction"],
     )
 
 
@@ -101,9 +102,37 @@ def test_neighbours_merge_up_to_the_hole_size_and_each_byte_is_read_once():
     tight = plan_for(requests, extents, files, rank_node=[0, 0, 0], aggregators=[0])
     assert tight.requests_issued == 3  # 0-3 adjacent, then 5, then 50
     assert tight.bytes_read == 600
-    loose = plan_for(requests, extents, files, rank_node=[0, 0, 0], aggregators=[0], max_hole=200)
+    loose = plan_for(
+        requests,
+        extents,
+        files,
+        rank_node=[0, 0, 0],
+        aggregators=[0],
+        max_hole=200,
+        hole_fraction=1,
+    )
     assert loose.requests_issued == 2  # 0-5 with a 100-byte hole, then 50
     assert loose.bytes_read == 700
+    # by default a hole is merged only up to 10% of its neighbours' mean length
+    thrifty = plan_for(requests, extents, files, rank_node=[0, 0, 0], aggregators=[0], max_hole=200)
+    assert thrifty.requests_issued == 3 and thrifty.bytes_read == 600
+
+
+@pytest.mark.parametrize("sample", [250, 2500, 114_660])
+def test_holes_never_add_more_than_a_tenth_of_the_bytes_needed(sample):
+    files = fake_files([sample * 4000], seed=8)
+    extents = fixed_extents(files, sample)
+    rng = np.random.default_rng(9)
+    for density in (0.01, 0.3, 0.9):  # sparse to dense requests
+        ids = rng.choice(len(extents), int(density * len(extents)), replace=False)
+        requests = np.array_split(ids, 4)
+        plan = plan_for(
+            requests, extents, files, rank_node=[0, 0, 1, 1], aggregators=[0, 2], max_hole=1 << 16
+        )
+        needed = int(extents.length[ids].sum())
+        assert needed <= plan.bytes_read <= 1.1 * needed
+        if density == 0.9:  # dense: neighbours still merge
+            assert plan.requests_issued < ids.size / 2
 
 
 def test_file_domains_split_the_work_between_aggregators():
@@ -133,6 +162,7 @@ def test_rounds_cut_each_aggregator_buffer_in_order_and_keep_requests_whole(roun
         aggregators=[0, 2],
         max_read=650,
         max_hole=1 << 20,
+        hole_fraction=1e9,
     )
     rounds = split_rounds(plan, round_bytes, max_rounds=8)
     per_agg = [plan.buffer_bytes(a) for a in range(2)]

@@ -47,7 +47,9 @@ untimed (first calls load code lazily: bbio's first read imports
 * ``bbio``: ``Dataset.read`` (aggregated collective reads);
 * ``bbio-loader`` / ``bbio-loader-noprefetch``: ``bbio.Loader`` (prefetch
   ``--prefetch``, default 2; or 0) with a ``time.sleep`` of the case's
-  compute time per step;
+  compute time per step, or with ``--compute-ratio R`` of R times the median
+  step time ``bbio`` measured just before on the same case (the issue's AU
+  target: R = 1.5);
 * ``seq-read``: rank 0 reads the whole raw file in 1 MiB reads, one stream
   (the physical limit).
 
@@ -97,6 +99,7 @@ import numpy as np
 import bbio.bench as bench
 from bbio.bench import BenchContext, suite
 from bbio.config import Config, load_config
+from bbio.errors import UsageError
 from bbio.read.datasets import open_dataset
 from bbio.read.loader import Loader
 from bbio.read.sampler import epoch_batches
@@ -211,6 +214,12 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
         type=_non_negative,
         default=1.0,
         help="multiply every case's compute time per step by this (default 1: DLIO's)",
+    )
+    parser.add_argument(
+        "--compute-ratio",
+        type=_positive(float),
+        help="instead: the loaders' compute per step is this times bbio's median step time "
+        "measured just before in the same run (the AU target uses 1.5; needs system bbio)",
     )
     parser.add_argument(
         "--cases", type=_names(tuple(WORKLOADS)), default=list(WORKLOADS), help="comma list"
@@ -598,6 +607,8 @@ class ReadBench:
         self.foreign: dict[str, list[str]] = {}
         self.server: dict[str, dict[str, Any]] = {}
         self.bbio_requests: dict[str, dict[str, float]] = {}
+        self.step_seconds: dict[tuple[str, str], float] = {}  # median, per (case, system)
+        self.compute: dict[str, float] = {}  # the loaders' compute per step, per case
         self.io_components: dict[str, Any] = {}
         self.io_threads = self.args.io_threads or load_config().io_threads
         self.ids: dict[str, np.ndarray] = {}
@@ -674,7 +685,7 @@ class ReadBench:
         needed = self.step_needed(case)
         check_samples(read(self.warm[case.name][self.rank]), self.warm[case.name][self.rank], "")
         server = self._server_begin()
-        own = []
+        own, step_seconds = [], []
         for step in range(self.steps):
             ids = self.ids[case.name][step][self.rank]
             requests_before = stats.requests if stats is not None else 0
@@ -688,11 +699,13 @@ class ReadBench:
             syscr, rchar = self.counters.delta(before, self.counters.snapshot())
             check_samples(data, ids, f"{case.name} {system} step {step}")
             seconds = self.comm.allreduce(seconds, op=MPI.MAX)
+            step_seconds.append(seconds)
             syscr, rchar = (int(v) for v in self.comm.allreduce(np.array([syscr, rchar])))
             self.record(case, system, seconds, syscr, rchar, needed)
             if stats is not None:
                 own.append((stats.requests - requests_before, syscr))
         self._server_end(case, system, server, needed * self.steps)
+        self.step_seconds[(case.name, system)] = float(np.median(step_seconds))
         if own:
             self.bbio_requests.setdefault(case.name, {})[system] = {
                 "stats_requests_per_step": float(np.median([o[0] for o in own])),
@@ -768,11 +781,21 @@ class ReadBench:
         ) as ds:
             self.steps_of(case, "bbio", ds.read, stats=ds.stats)
 
+    def compute_seconds(self, case: Case) -> float:
+        """The loaders' simulated compute per step: the case's, or ``--compute-ratio`` times
+        bbio's median step time of this run."""
+        ratio = self.args.compute_ratio  # run() checked that bbio runs (before the loaders)
+        bbio_step = self.step_seconds.get((case.name, "bbio"), 0.0)
+        seconds = case.compute_s if ratio is None else ratio * bbio_step
+        self.compute[case.name] = seconds
+        return seconds
+
     def loader(self, case: Case, system: str, prefetch: int) -> None:
         """Collective: ``steps`` steps of a Loader with ``compute_s`` of sleep per step."""
         from mpi4py import MPI
 
         shape = (case.sample_bytes,)
+        compute_s = self.compute_seconds(case)
         with open_dataset(
             self.comm, self.data.raw(case), sample_shape=shape, dtype="u1", config=self.config()
         ) as ds:
@@ -802,7 +825,7 @@ class ReadBench:
                         raise AssertionError(f"{case.name} {system}: step {step} ids differ")
                     check_samples(data, expected, f"{case.name} {system} step {step}")
                     began = time.perf_counter()
-                    time.sleep(case.compute_s)
+                    time.sleep(compute_s)
                     compute += time.perf_counter() - began
                 seconds = time.perf_counter() - start
             finally:
@@ -985,6 +1008,8 @@ def _record_in_json(info: dict[str, Any]) -> None:
 def run(ctx: BenchContext) -> None:
     """Generate (or reuse) the datasets, then measure every case and system."""
     comm, args = ctx.comm, ctx.args
+    if args.compute_ratio is not None and "bbio" not in args.systems:
+        raise UsageError("--compute-ratio needs the bbio system in --systems")
     sizes = dict(QUICK if ctx.quick else FULL)
     sizes["file_size"] = args.file_size or sizes["file_size"]
     sizes["steps"] = args.steps or sizes["steps"]
@@ -1042,6 +1067,13 @@ def run(ctx: BenchContext) -> None:
                     },
                     "datasets": data.status,
                     "bbio_requests": bench_run.bbio_requests,
+                    "compute_ratio": args.compute_ratio,
+                    "loader_compute_s": bench_run.compute,
+                    "bbio_step_s": {
+                        case: seconds
+                        for (case, system), seconds in bench_run.step_seconds.items()
+                        if system == "bbio"
+                    },
                     "io_components": bench_run.io_components,
                     "foreign_users": bench_run.foreign,
                     "server_pids": bench_run.servers,

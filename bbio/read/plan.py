@@ -9,7 +9,9 @@ length).  The plan:
    and every aggregator when only the PFS has it;
 2. within a group, sorts the distinct extents by (file, offset) and merges
    neighbours into one range while the hole between them is at most
-   ``max_hole`` bytes;
+   ``max_hole`` bytes and at most ``hole_fraction`` (10%) of the two
+   neighbours' mean length: the holes then add at most 10% to the bytes
+   needed, whatever the sample size and the density of the requests;
 3. splits the group's accessed byte range into one contiguous *file domain*
    per aggregator of the group, aligned to ``stripe``, and gives each range to
    the aggregator whose domain holds its start;
@@ -32,6 +34,8 @@ from collections.abc import Sequence
 import numpy as np
 
 PFS_ONLY = -1
+#: a hole is merged only up to this fraction of its neighbours' mean length
+HOLE_FRACTION = 0.1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +130,7 @@ def make_plan(
     stripe: int,
     max_hole: int,
     max_read: int,
+    hole_fraction: float = HOLE_FRACTION,
 ) -> ReadPlan:
     """Plan one collective read (see the module docstring).  Pure.
 
@@ -162,7 +167,11 @@ def make_plan(
     # (Overlapping extents, which samples rarely are, may start a range inside the
     # previous one: both are read, which is wasteful but correct.)
     new_range = np.ones(g_u.size, dtype=bool)
-    new_range[1:] = (g_u[1:] != g_u[:-1]) | (f_u[1:] != f_u[:-1]) | (s_u[1:] - e_u[:-1] > max_hole)
+    hole = s_u[1:] - e_u[:-1]
+    affordable = hole_fraction * ((e_u[1:] - s_u[1:]) + (e_u[:-1] - s_u[:-1])) / 2
+    new_range[1:] = (
+        (g_u[1:] != g_u[:-1]) | (f_u[1:] != f_u[:-1]) | (hole > max_hole) | (hole > affordable)
+    )
     range_id = np.cumsum(new_range) - 1
     r_start = s_u[new_range]
     r_end = np.maximum.reduceat(e_u, np.flatnonzero(new_range))
