@@ -58,6 +58,7 @@ LAYERS = {
         "bbio.bench.copy",
         "bbio.bench.stage",
         "bbio.bench.read",
+        "bbio.bench.read_model",
         "bbio.bench._read_mpiio",
         "bbio.bench.checkpoint",
         "bbio.bench.plot",

@@ -35,6 +35,7 @@ from bbio.transfer import files
 log = logging.getLogger("bbio")
 
 FILE_OVERHEAD_BYTES = 1 << 20  # HDF5 metadata, per node file, generously
+MAX_WAIT_POLL_SECONDS = 0.25
 
 
 @dataclasses.dataclass
@@ -54,8 +55,16 @@ class SaveHandle:
     direct: bool = False  # written straight to the PFS (the burst buffer was full)
 
     def done(self) -> bool:
-        """True once the checkpoint is committed on the PFS (or was skipped)."""
-        return self.skipped or drain.read_manifest(self.pfs_step_dir) is not None
+        """True once the checkpoint is committed on the PFS (or was skipped).
+
+        Looks at this node's journal (on the BB) first, and at the PFS only once
+        this node's file is drained, so that polling ranks spare the PFS.
+        """
+        if self.skipped:
+            return True
+        if not self.direct and drain.task_path(self.journal, self.step).exists():
+            return False
+        return drain.read_manifest(self.pfs_step_dir) is not None
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until :meth:`done`; at ``timeout`` seconds raise :class:`BBIOTimeoutError`.
@@ -64,6 +73,7 @@ class SaveHandle:
         node's drain last reported.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.005  # then longer and longer: a long drain costs the PFS few lookups
         while not self.done():
             if deadline is not None and time.monotonic() > deadline:
                 missing = [
@@ -80,7 +90,8 @@ class SaveHandle:
                     path=self.pfs_step_dir,
                     hint="check that the PFS is writable; 'bbio ckpt drain --finish' completes it",
                 )
-            time.sleep(0.05)
+            time.sleep(pause)
+            pause = min(pause * 1.5, MAX_WAIT_POLL_SECONDS)
 
 
 @dataclasses.dataclass(frozen=True)
