@@ -87,6 +87,13 @@ class Config:
         "Collective reads: an aggregator reads in rounds of about this many bytes (at most 8 "
         "per call), reading the next round while the ranks exchange the last one.",
     )
+    read_min_saving: int = _setting(
+        10,
+        "Collective reads go through the aggregators when merging saves at least this many "
+        "percent of the read requests (or another node's burst buffer holds the data); "
+        "otherwise each rank reads its own samples directly.  0: always aggregate.",
+        minimum=0,
+    )
     ckpt_backpressure: str = _setting(
         "queue",
         "A save while earlier checkpoints still drain: queue (default, while the burst "

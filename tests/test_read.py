@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from pathlib import Path
@@ -69,20 +70,31 @@ def my_ids(comm, seed=0, count=9):
     return ids
 
 
+MODES = {"aggregated": 0, "direct": 100}  # read_min_saving: always aggregate, or never
+
+
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", ["packed", "files"])
-def test_variable_size_layouts(comm, datasets, kind):
+def test_variable_size_layouts(comm, datasets, kind, mode):
     root, sizes, config = datasets
+    config = dataclasses.replace(config, read_min_saving=MODES[mode])
     with bbio.open_dataset(comm, root / kind, config=config) as ds:
         assert len(ds) == SAMPLES and not ds.fixed_size
         ids = my_ids(comm)
         got = ds.read(ids)
         assert [g.tobytes() for g in got] == [expected_variable(i, sizes) for i in ids]
-        assert ds.stats.requests < comm.Get_size() * len(ids)  # merged: fewer reads than samples
+        assert ds.stats.direct_calls == (mode == "direct")
+        if mode == "aggregated":  # the same samples asked twice are read once
+            assert ds.stats.requests < comm.Get_size() * len(ids)
+        else:
+            assert ds.stats.requests == comm.Get_size() * len(ids)
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", ["hdf5", "raw"])
-def test_fixed_size_layouts(comm, datasets, kind):
+def test_fixed_size_layouts(comm, datasets, kind, mode):
     root, _, config = datasets
+    config = dataclasses.replace(config, read_min_saving=MODES[mode])
     if kind == "hdf5":
         ds = bbio.open_dataset(comm, root / "fixed.h5", config=config)
     else:
@@ -99,11 +111,15 @@ def test_fixed_size_layouts(comm, datasets, kind):
         got = ds.read(ids)
         assert got.shape == (len(ids), 64) and got.dtype == np.float32
         assert got.tobytes() == np.stack([expected_fixed(i) for i in ids]).tobytes()  # NaNs too
+        assert ds.stats.direct_calls == (mode == "direct")
 
 
-def test_a_rank_with_nothing_to_read_and_samples_larger_than_the_buffer(comm, datasets):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rank_with_nothing_to_read_and_samples_larger_than_the_buffer(comm, datasets, mode):
     root, sizes, _ = datasets
-    config = config_for(comm, root.parent, read_max_bytes=64, read_max_hole=0)
+    config = config_for(
+        comm, root.parent, read_max_bytes=64, read_max_hole=0, read_min_saving=MODES[mode]
+    )
     with bbio.open_dataset(comm, root / "packed", config=config) as ds:
         ids = [] if comm.Get_rank() == 1 else my_ids(comm, seed=7)
         got = ds.read(ids)
@@ -128,8 +144,10 @@ def test_out_of_range_and_missing_paths_are_the_same_error_everywhere(comm, data
         bbio.open_dataset(comm, root / "nowhere", config=config)
 
 
-def test_a_file_that_vanished_after_opening_is_reported_on_every_rank(comm, datasets):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_file_that_vanished_after_opening_is_reported_on_every_rank(comm, datasets, mode):
     root, _, config = datasets
+    config = dataclasses.replace(config, read_min_saving=MODES[mode])
     with bbio.open_dataset(comm, root / "files", config=config) as ds:
         comm.Barrier()
         if comm.Get_rank() == 0:

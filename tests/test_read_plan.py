@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from bbio.read import sampler
-from bbio.read.plan import Extents, Holders, make_plan, split_rounds
+from bbio.read.plan import Extents, Holders, aggregation_pays, make_plan, split_rounds
 
 
 def fake_files(sizes, seed=0):
@@ -219,6 +219,34 @@ def test_files_in_a_nodes_burst_buffer_are_served_by_that_node():
         assert agg_node[int(a)] == expected, (r, p, f)
     got = execute(plan, files)
     assert got[(0, 1)] == files[1][25_000:25_500].tobytes()
+
+
+def decide(requests, extents, files, holders, min_saving):
+    plan = plan_for(
+        requests, extents, files, rank_node=[0, 0, 1, 1], aggregators=[0, 2], holders=holders
+    )
+    req_rank = np.repeat(np.arange(len(requests)), [len(r) for r in requests])
+    samples = np.concatenate([np.asarray(r, dtype=np.int64) for r in requests])
+    return aggregation_pays(plan, req_rank, samples, extents, [0, 0, 1, 1], holders, min_saving)
+
+
+def test_aggregation_pays_when_it_merges_enough_or_data_is_on_another_node():
+    files = fake_files([50_000, 50_000])
+    extents = fixed_extents(files, 500)  # 100 samples per file
+    pfs = Holders.none(2, 2)
+    scattered = [[0, 10], [20, 30], [40, 50], [60, 70]]  # nothing touches: no request saved
+    assert not decide(scattered, extents, files, pfs, 0.1)
+    assert decide(scattered, extents, files, pfs, 0.0)  # 0: always aggregate
+    shared = [[0, 10], [0, 10], [40, 50], [40, 50]]  # half the requests are duplicates
+    assert decide(shared, extents, files, pfs, 0.5) and not decide(shared, extents, files, pfs, 0.6)
+    neighbours = [[0, 1], [2, 3], [4, 5], [6, 7]]  # all touch: one read
+    assert decide(neighbours, extents, files, pfs, 0.8)
+    on_node_1 = Holders.from_sets(2, 2, [[], [1]])  # file 1 only in node 1's burst buffer
+    far = [[100], [0], [0], [0]]  # rank 0 (node 0) wants sample 100 of file 1
+    assert decide(far, extents, files, on_node_1, 1.0)
+    near = [[0], [0], [100], [101]]  # node 1's ranks read their own burst buffer
+    assert not decide(near, extents, files, on_node_1, 1.0)
+    assert not decide([[], [], [], []], extents, files, pfs, 0.1)
 
 
 def test_no_requests_at_all():

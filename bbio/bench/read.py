@@ -70,7 +70,8 @@ with ``--cold-steps`` also before every step of the step systems (untimed):
 without it, what a system read in excess at one step (ROMIO's whole file
 domains) may be served from the page cache at the next.
 The JSON's ``machine.read`` holds the sizes, paths, cache drops, bbio's own
-request counts against ``syscr``, the io components the MPI-IO jobs loaded,
+request counts against ``syscr`` (and how many calls each rank read directly,
+aggregating not paying), the io components the MPI-IO jobs loaded,
 and, when GlusterFS brick processes (``glusterfsd``) run on this machine, their
 ``/proc/PID/io`` deltas per case and system (what reached the PFS servers).
 When the PFS is a mount of its own, rank 0 looks for other processes with
@@ -710,6 +711,8 @@ class ReadBench:
             self.bbio_requests.setdefault(case.name, {})[system] = {
                 "stats_requests_per_step": float(np.median([o[0] for o in own])),
                 "syscr_per_step": float(np.median([o[1] for o in own])),
+                "direct_calls": stats.direct_calls,  # read by each rank: aggregating did not pay
+                "calls": stats.calls,
             }
         self.ctx.log(f"{case.name} {system}: {self._summary(case, system)}")
 
@@ -854,6 +857,8 @@ class ReadBench:
                 "stats_requests_per_step": own / fetched,
                 "syscr_per_step": syscr / fetched,
                 "steps_fetched": fetched,
+                "direct_calls": ds.stats.direct_calls,
+                "calls": ds.stats.calls,
             }
         self.ctx.log(f"{case.name} {system}: {self._summary(case, system)}")
 

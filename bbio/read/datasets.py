@@ -39,7 +39,15 @@ from bbio.errors import (
     from_oserror,
 )
 from bbio.mpi import agreed, topology, wait_quietly
-from bbio.read.plan import Extents, Holders, ReadPlan, Rounds, make_plan, split_rounds
+from bbio.read.plan import (
+    Extents,
+    Holders,
+    ReadPlan,
+    Rounds,
+    aggregation_pays,
+    make_plan,
+    split_rounds,
+)
 from bbio.stage import registry
 from bbio.stage.pack import INDEX_NAME, read_index
 from bbio.stage.walk import walk
@@ -54,6 +62,7 @@ class ReadStats:
     """Counters of one rank's collective reads (requests and bytes are summed over all ranks)."""
 
     calls: int = 0
+    direct_calls: int = 0  # calls where each rank read its own samples (aggregating did not pay)
     samples: int = 0
     requests: int = 0
     bytes_read: int = 0
@@ -358,6 +367,21 @@ class Dataset:
             self.config.read_max_hole,
             self.config.read_max_bytes,
         )
+        req_rank = np.repeat(np.arange(len(requests)), counts)
+        everything = np.concatenate(requests)
+        if not aggregation_pays(
+            plan,
+            req_rank,
+            everything,
+            self.layout.extents,
+            self.rank_node,
+            self.holders,
+            self.config.read_min_saving / 100,
+        ):
+            out = self._read_direct(requests[rank])
+            lengths = self.layout.extents.length[everything]
+            self._count(requests, int(everything.size), int(lengths.sum()), direct=True)
+            return out
         agg = plan.aggregators.index(rank) if rank in plan.aggregators else -1
         rounds = split_rounds(plan, self.config.read_round_bytes)
         buffer = np.empty(plan.buffer_bytes(agg) if agg >= 0 else 0, dtype=np.uint8)
@@ -381,7 +405,50 @@ class Dataset:
                 with agreed(self.comm, "collective read"):
                     if failure is not None:
                         raise failure
-        self._count(plan, requests)
+        self._count(requests, plan.requests_issued, plan.bytes_read)
+        return out
+
+    def _read_direct(self, ids: np.ndarray):
+        """This rank's samples ``ids``, read by itself (``io_threads`` in flight).
+
+        Collective only in its agreement: a failure on any rank raises the
+        same error on every rank.
+        """
+        out = self._output(ids.size)
+        with agreed(self.comm, "collective read"):
+            if ids.size == 0:
+                return out
+            extents = self.layout.extents
+            files = extents.file[ids].astype(np.int64)
+            lengths = extents.length[ids].astype(np.int64)
+            if self.fixed_size:
+                target = out.reshape(-1).view(np.uint8)
+                places = np.arange(ids.size, dtype=np.int64) * (target.size // ids.size)
+            else:
+                target = np.empty(int(lengths.sum()), dtype=np.uint8)
+                places = np.cumsum(lengths) - lengths
+            got = _native.pread_batch(
+                [self._fd(int(f)) for f in files],
+                extents.offset[ids],
+                lengths,
+                target,
+                places,
+                threads=self.config.io_threads,
+                paths=[self._path(int(f)) for f in files],
+            )
+            short = np.flatnonzero(got != lengths)
+            if short.size:
+                raise IntegrityError(
+                    f"the file is shorter than the dataset says ({short.size} short reads)",
+                    path=self._path(int(files[short[0]])),
+                    node=self.node,
+                    hint="the dataset changed after it was opened; open it again",
+                )
+            if not self.fixed_size:
+                for i, (start, length) in enumerate(
+                    zip(places.tolist(), lengths.tolist(), strict=True)
+                ):
+                    out[i] = target[start : start + length]
         return out
 
     def _read_round(
@@ -517,12 +584,15 @@ class Dataset:
                 out[pos] = target[start : start + length]
         return statuses[aggs]
 
-    def _count(self, plan: ReadPlan, requests: Sequence[np.ndarray]) -> None:
+    def _count(
+        self, requests: Sequence[np.ndarray], issued: int, bytes_read: int, direct: bool = False
+    ) -> None:
         ids = np.unique(np.concatenate([np.asarray(r, dtype=np.int64) for r in requests]))
         self.stats.calls += 1
+        self.stats.direct_calls += int(direct)
         self.stats.samples += int(sum(np.asarray(r).size for r in requests))
-        self.stats.requests += plan.requests_issued
-        self.stats.bytes_read += plan.bytes_read
+        self.stats.requests += issued
+        self.stats.bytes_read += bytes_read
         self.stats.bytes_needed += int(self.layout.extents.length[ids].sum()) if ids.size else 0
 
     def close(self) -> None:

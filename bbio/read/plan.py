@@ -23,7 +23,9 @@ length).  The plan:
 Everything is vectorised with NumPy.  From the result every rank derives what
 it sends to and receives from every other in one ``Alltoallv``.
 :func:`split_rounds` cuts a plan into rounds, so that the aggregators read
-round k+1 while the ranks exchange round k.
+round k+1 while the ranks exchange round k.  :func:`aggregation_pays` decides
+whether the exchange is worth it at all: when merging saves little, every
+rank reads its own samples directly.
 """
 
 from __future__ import annotations
@@ -264,3 +266,30 @@ def split_rounds(plan: ReadPlan, round_bytes: int, max_rounds: int = 8) -> Round
         holder = np.searchsorted(plan.read_buf[mine], last_byte, side="right") - 1
         req_round[served] = read_round[mine[holder]]
     return Rounds(read_round, req_round, count)
+
+
+def aggregation_pays(
+    plan: ReadPlan,
+    req_rank: np.ndarray,
+    req_sample: np.ndarray,
+    extents: Extents,
+    rank_node: Sequence[int],
+    holders: Holders,
+    min_saving: float,
+) -> bool:
+    """Should this collective read go through the aggregators?  Pure.
+
+    Aggregating costs an exchange over MPI; it pays when merging saves at
+    least ``min_saving`` (a fraction) of the read requests the ranks would
+    issue on their own, or when a request must be served by another node's
+    burst buffer.  Otherwise every rank reads its own samples directly.
+    """
+    req_rank = np.asarray(req_rank, dtype=np.int64)
+    if req_rank.size == 0:
+        return False
+    files = extents.file[np.asarray(req_sample, dtype=np.int64)].astype(np.int64)
+    req_node = np.asarray(rank_node, dtype=np.int64)[req_rank]
+    remote = (holders.lowest[files] != PFS_ONLY) & ~holders.holds[req_node, files]
+    if remote.any():
+        return True
+    return plan.requests_issued <= (1.0 - min_saving) * req_rank.size
