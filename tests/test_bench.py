@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
+import bbio
 from bbio.bench import Results
 from bbio.bench.__main__ import build_parser
 from tests.conftest import run_python
@@ -53,3 +56,18 @@ def test_copy_suite_quick_writes_documented_json(tmp_path):
         assert entry["unit"] == "GB/s"
         assert entry["values"] and all(v > 0 for v in entry["values"])
     assert list(tmp_path.iterdir()) == [out], "the suite left files behind"
+
+
+def test_plot_draws_the_chosen_metrics_and_refuses_unknown_ones(tmp_path):
+    from bbio.bench.plot import main as plot_main
+
+    result = {"case": "c", "system": "bbio", "unit": "GB/s", "values": [1.0, 3.0], "median": 2.0}
+    doc = {"results": [{**result, "metric": "GB_per_s"}, {**result, "metric": "ratio"}]}
+    source = tmp_path / "r.json"
+    source.write_text(json.dumps(doc))
+    png = tmp_path / "r.png"
+    options = ["--metrics", "GB_per_s", "--log", "GB_per_s"]
+    assert plot_main([str(source), "-o", str(png), *options]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(bbio.UsageError, match="no results for metric"):
+        plot_main([str(source), "-o", str(png), "--metrics", "nope"])

@@ -12,11 +12,21 @@ import json
 import sys
 from pathlib import Path
 
-from bbio.errors import DependencyError
+from bbio.errors import DependencyError, UsageError
 
 
-def plot(documents: list[dict], output: Path, title: str | None = None) -> None:
-    """Draw the medians of every result of ``documents`` into ``output``."""
+def plot(
+    documents: list[dict],
+    output: Path,
+    title: str | None = None,
+    metrics: list[str] | None = None,
+    log_metrics: list[str] | None = None,
+) -> None:
+    """Draw the medians of the results of ``documents`` into ``output``.
+
+    ``metrics`` picks the panels (default: every metric), ``log_metrics`` the
+    panels drawn on a logarithmic axis.
+    """
     try:
         import matplotlib
 
@@ -27,7 +37,11 @@ def plot(documents: list[dict], output: Path, title: str | None = None) -> None:
             "plotting needs matplotlib", hint="pip install -e '.[bench]'"
         ) from exc
     results = [r for doc in documents for r in doc["results"]]
-    metrics = list(dict.fromkeys(r["metric"] for r in results))
+    found = list(dict.fromkeys(r["metric"] for r in results))
+    unknown = sorted(set(metrics or []) - set(found))
+    if unknown:
+        raise UsageError(f"no results for metric(s) {unknown}", hint=f"the files have {found}")
+    metrics = metrics or found
     fig, axes = plt.subplots(len(metrics), 1, figsize=(10, 3.6 * len(metrics)), squeeze=False)
     for ax, metric in zip(axes[:, 0], metrics, strict=True):
         chosen = [r for r in results if r["metric"] == metric]
@@ -52,6 +66,8 @@ def plot(documents: list[dict], output: Path, title: str | None = None) -> None:
                 labelled.add(system)
         ax.set_xticks(range(len(cases)), cases)
         ax.set_ylabel(f"{metric} ({chosen[0]['unit']})")
+        if metric in (log_metrics or []):
+            ax.set_yscale("log")
         ax.legend(fontsize="small", ncol=min(len(systems), 5))
         ax.grid(axis="y", alpha=0.3)
     if title:
@@ -67,8 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("json", nargs="+", type=Path, help="result files of python -m bbio.bench")
     parser.add_argument("-o", "--output", type=Path, required=True, help="PNG file to write")
     parser.add_argument("--title", help="figure title")
+    parser.add_argument("--metrics", help="comma-separated metrics to draw (default: all)")
+    parser.add_argument("--log", default="", help="comma-separated metrics on a log axis")
     args = parser.parse_args(argv)
-    plot([json.loads(p.read_text()) for p in args.json], args.output, args.title)
+    documents = [json.loads(p.read_text()) for p in args.json]
+    metrics = args.metrics.split(",") if args.metrics else None
+    plot(documents, args.output, args.title, metrics, [m for m in args.log.split(",") if m])
     print(f"wrote {args.output}")
     return 0
 
