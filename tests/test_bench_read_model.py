@@ -32,7 +32,9 @@ METRICS = {
 }
 
 
-def _counts(name: str, ranks: int, file_size: int, aggregators_per_node: int = 1):
+def _counts(
+    name: str, ranks: int, file_size: int, aggregators_per_node: int = 1, min_saving: float = 0.0
+):
     workload = WORKLOADS[name]
     config = load_config()
     order = epoch_order(file_size // workload.sample_bytes, 0, 0, True)
@@ -48,6 +50,7 @@ def _counts(name: str, ranks: int, file_size: int, aggregators_per_node: int = 1
         stripe=1 << 20,
         max_hole=config.read_max_hole,
         max_read=config.read_max_bytes,
+        min_saving=min_saving,
     )
     return independent, aggregated
 
@@ -124,6 +127,7 @@ def test_suite_writes_documented_json_and_plot(tmp_path):
         str(out),
         "--plot",
         str(png),
+        env={"BBIO_READ_MIN_SAVING": "0"},  # always aggregate: the clients are the aggregators
     )
     assert result.returncode == 0, result.stderr
     assert "MODEL, not a measurement" in result.stdout
@@ -149,3 +153,13 @@ def test_suite_writes_documented_json_and_plot(tmp_path):
             assert seen[(case, "independent-model", "requests")]["median"] == ranks * workload.batch
             assert seen[(case, "bbio-model", "clients")]["median"] == ranks // RANKS_PER_NODE
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bbio_model_reads_directly_where_dataset_read_would():
+    # 64 ranks over a large dataset merge almost nothing: below 10% saved, direct reads
+    independent, bbio = _counts("resnet50", 64, 100 << 30, min_saving=0.1)
+    assert bbio.direct and bbio.requests == independent.requests and bbio.clients == 64
+    assert bbio.per_client == load_config().io_threads
+    # always aggregating (min_saving 0) takes the aggregators' plan
+    _, aggregated = _counts("resnet50", 64, 100 << 30, min_saving=0.0)
+    assert not aggregated.direct and aggregated.clients == 64 // RANKS_PER_NODE

@@ -24,7 +24,10 @@ functions ``epoch_batches`` is made of, with ``drop_last=True``, as the
   file, ``read_max_hole`` and ``read_max_bytes`` from the configuration, stripe
   ``--stripe`` (Lustre's default 1 MiB).  Requests are the plan's reads,
   clients the aggregators that issue any, ``io_threads`` requests in flight per
-  client (bbio's batched reader), bytes the plan's (holes included).  The extent
+  client (bbio's batched reader), bytes the plan's (holes included).  Where
+  :func:`bbio.read.plan.aggregation_pays` says no (``read_min_saving``), it
+  models ``Dataset.read``'s direct path instead: every rank reads its own
+  samples, ``io_threads`` in flight.  The extent
   table handed to the planner holds only the step's samples (it reads no other
   row), so a 43-million-sample dataset needs no 1 GB table.
 
@@ -64,7 +67,7 @@ from bbio.bench import BenchContext, suite
 from bbio.bench.read import WORKLOADS, Workload, byte_size
 from bbio.config import load_config
 from bbio.errors import DependencyError, UsageError
-from bbio.read.plan import Extents, Holders, make_plan
+from bbio.read.plan import Extents, Holders, aggregation_pays, make_plan
 from bbio.read.sampler import epoch_order, rank_indices, steps_per_epoch
 from bbio.report import format_bytes, format_table
 
@@ -81,7 +84,7 @@ BANDWIDTH_GBS = 5000.0  # Perlmutter scratch: > 5 TB/s aggregate
 SERVER_INFLIGHT = 2000  # Perlmutter scratch: 4e6 IOPS x 500 us (Little's law)
 INDEPENDENT_INFLIGHT = 1  # a map-style Dataset reads one sample at a time per rank
 TABLE = ("workload", "R", "system", "requests", "clients", "read/needed", "ms/step")
-TABLE += ("samples/s", "bound")
+TABLE += ("samples/s", "bound", "bbio path")
 METRICS = {
     "requests": "requests",
     "clients": "clients",
@@ -118,6 +121,7 @@ class Counts:
     per_client: int  # requests each client keeps in flight
     bytes_read: int
     bytes_needed: int
+    direct: bool = False  # bbio: each rank read its own samples (aggregating did not pay)
 
     @property
     def bytes_read_over_needed(self) -> float:
@@ -160,8 +164,10 @@ def aggregated_counts(
     stripe: int,
     max_hole: int,
     max_read: int,
+    min_saving: float,
 ) -> Counts:
-    """The plan ``Dataset.read`` makes for ``requests`` on a raw file of ``samples`` records."""
+    """What ``Dataset.read`` does for ``requests`` on a raw file of ``samples`` records:
+    the aggregators' plan, or direct reads when aggregating would not pay."""
     ranks = len(requests)
     counts = [ids.size for ids in requests]
     ids = np.concatenate(requests).astype(np.int64)
@@ -187,6 +193,13 @@ def aggregated_counts(
         max_read,
     )
     needed = int(np.unique(ids).size) * sample_bytes
+    req_rank = np.repeat(np.arange(ranks), counts)
+    holders = Holders.none(rank_node[-1] + 1, 1)
+    if not aggregation_pays(
+        plan, req_rank, np.arange(ids.size), extents, rank_node, holders, min_saving
+    ):  # Dataset.read's direct path: each rank reads its own samples, io_threads in flight
+        readers = sum(1 for c in counts if c)
+        return Counts(ids.size, readers, io_threads, ids.size * sample_bytes, needed, direct=True)
     clients = int(np.unique(plan.read_agg).size)
     return Counts(plan.requests_issued, clients, io_threads, plan.bytes_read, needed)
 
@@ -340,7 +353,7 @@ def _model_case(
     workload: Workload,
     order: np.ndarray,
     ranks: int,
-    settings: dict[str, int],
+    settings: dict[str, Any],
 ) -> list[tuple[object, ...]]:
     """Count and time one workload at ``ranks``; record it and return its table rows."""
     requests = step_requests(order, ranks, workload.batch, ctx.args.step)
@@ -375,6 +388,7 @@ def _model_case(
                 f"{seconds * 1000:.2f}",
                 f"{samples / seconds:.4g}",
                 bound,
+                "" if system != "bbio-model" else ("direct" if c.direct else "aggregated"),
             )
         )
     return rows
@@ -397,6 +411,7 @@ def run(ctx: BenchContext) -> None:
         "stripe": args.stripe,
         "max_hole": config.read_max_hole,
         "max_read": config.read_max_bytes,
+        "min_saving": config.read_min_saving / 100,
     }
     ctx.log(
         f"{LABEL}: latency {args.latency_us:g} us, bandwidth {args.bandwidth_gbs:g} GB/s, "
