@@ -136,15 +136,22 @@ def agreed(comm, what: str) -> Iterator[None]:
 
     If the block raises on any rank, every rank raises the same error, naming
     the failing rank and its message (the local exception is chained as the
-    cause).  No rank is left waiting: the agreement is one allgather that every
-    rank reaches, failed or not, so the block itself must not enter a collective
-    after a local failure could have happened on another rank.
+    cause).  No rank is left waiting: the agreement is one small allreduce that
+    every rank reaches, failed or not (then, only after a failure, an allgather
+    of the messages), so the block itself must not enter a collective after a
+    local failure could have happened on another rank.
     """
+    import numpy as np
+
     local: Exception | None = None
     try:
         yield
     except Exception as exc:
         local = exc
+    failed = np.array([local is not None], dtype=np.int32)
+    comm.Allreduce(_mpi().IN_PLACE, failed, op=_mpi().MAX)
+    if not failed[0]:
+        return
     outcome = None if local is None else _describe(local)
     outcomes = comm.allgather(outcome)
     failures = [(r, *o) for r, o in enumerate(outcomes) if o is not None]
