@@ -103,8 +103,9 @@ class Config:
     ckpt_verify: str = _setting(
         "cache",
         "How the drain verifies a PFS copy before committing it: cache (read it back "
-        "through the file system client after fsync, default) or device (drop the cached "
-        "pages first so the bytes come from the servers' storage; one extra cold read).",
+        "through the file system client during the fsync, default) or device (after the "
+        "fsync, cached pages dropped, so the bytes come from the servers' storage; one "
+        "extra cold read).",
         choices=("cache", "device"),
     )
     replicate_round_bytes: int = _setting(

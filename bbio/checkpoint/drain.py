@@ -14,8 +14,9 @@ and the checkpoint committed if this node was the last, so replaying the
 journal after a crash is idempotent.
 
 For each task: copy ``node-N.h5`` (native copy, CRC32C in the same pass) to
-the PFS under a temporary name, fsync, rename; read it back (through the
-client cache, or from the device: ``ckpt_verify``) and compare; write the
+the PFS under a temporary name, fsync, rename; read it back and compare
+(``ckpt_verify``: through the client cache, during the fsync; or from the
+device, after it, cached pages dropped); write the
 node's record (size, CRC32C) on the PFS and on the BB; then, if every node's
 record is there, take the commit lock, write ``global.h5`` (virtual datasets
 over the node files) and ``manifest.json`` last, and apply PFS retention;
@@ -36,6 +37,7 @@ import socket
 import sys
 import time
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -173,8 +175,11 @@ def copy_node_file(task: Task) -> dict[str, int]:
     Path(task.pfs_step_dir).mkdir(parents=True, exist_ok=True)
     temp = files.temp_path(task.target)
     result = _native.copy_file(task.source, temp, checksum=True)
-    files.commit([files.Commit(task.target, 0o644, time.time_ns())])
-    size, crc = files.checksum_file(task.target, drop_cache=task.verify == "device")
+    if task.verify == "device":  # after the fsync, with the cached pages dropped
+        files.commit([files.Commit(task.target, 0o644, time.time_ns())])
+        size, crc = files.checksum_file(task.target, drop_cache=True)
+    else:
+        size, crc = _commit_reading_back(temp, task.target)
     if size != result.nbytes or crc != result.crc32c:
         raise IntegrityError(
             f"the copy reads back as {size} bytes, CRC32C {crc:08x}; "
@@ -186,6 +191,25 @@ def copy_node_file(task: Task) -> dict[str, int]:
     files.write_json_atomic(record_path, record)
     files.write_json_atomic(bb_record_path, {**bb_record, **record, "complete": True})
     return record
+
+
+def _commit_reading_back(temp: Path, final: Path) -> tuple[int, int]:
+    """Commit ``temp`` as ``final`` while reading it back through the client cache.
+
+    The read-back runs in a thread during the fsync (both release the GIL), so
+    it costs no time when the flush is the slower.  Returns its (size, CRC32C).
+    """
+    try:
+        fd = os.open(temp, os.O_RDONLY)  # before the rename: the descriptor follows it
+    except OSError as exc:
+        raise from_oserror(exc, "open for verification", temp) from None
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            reading = pool.submit(files.checksum_fd, fd, final)
+            files.commit([files.Commit(final, 0o644, time.time_ns())])
+            return reading.result()
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------- committing

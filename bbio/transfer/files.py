@@ -255,7 +255,6 @@ def checksum_file(path: Path, *, drop_cache: bool = False) -> tuple[int, int]:
     ``drop_cache`` first asks the kernel to drop its cached pages (after an
     fsync they are on the device), so the bytes come from the device.
     """
-    buffer = _native.aligned_buffer(_VERIFY_BUFFER)
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
@@ -263,7 +262,17 @@ def checksum_file(path: Path, *, drop_cache: bool = False) -> tuple[int, int]:
     try:
         if drop_cache:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        size = crc = 0
+        return checksum_fd(fd, path)
+    finally:
+        os.close(fd)
+
+
+def checksum_fd(fd: int, path: Path) -> tuple[int, int]:
+    """(size, CRC32C) of the bytes of the open file ``fd`` from its offset on (``path``
+    names it in errors)."""
+    buffer = _native.aligned_buffer(_VERIFY_BUFFER)
+    size = crc = 0
+    try:
         while True:
             n = os.readv(fd, [buffer])
             if n == 0:
@@ -272,8 +281,6 @@ def checksum_file(path: Path, *, drop_cache: bool = False) -> tuple[int, int]:
             size += n
     except OSError as exc:
         raise _fail(exc, "read for verification", path) from None
-    finally:
-        os.close(fd)
 
 
 def checksum_range(path: Path, offset: int, length: int) -> tuple[int, int]:
