@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 from bbio.errors import UsageError
 from bbio.read.datasets import Dataset
-from bbio.read.sampler import epoch_batches, steps_per_epoch
+from bbio.read.sampler import batches_of, epoch_order, steps_per_epoch
 
 log = logging.getLogger("bbio")
 
@@ -77,6 +77,10 @@ class Loader:
         self._allowed = 0  # the background thread may fetch steps below this
         self._closing = False
         self._thread: threading.Thread | None = None
+        # The first epoch's shuffle is drawn now, not in the first step: for a
+        # dataset of many small samples it takes tens of milliseconds.
+        first = min(start_step // self._steps, epochs) if self._steps else 0
+        self._orders = {first: epoch_order(len(dataset), seed, first, shuffle)}
 
     def __len__(self) -> int:
         """Steps per epoch (the same on every rank)."""
@@ -88,15 +92,10 @@ class Loader:
             if step + self._steps <= self.start_step:  # a whole epoch already done
                 step += self._steps
                 continue
-            for batches in epoch_batches(
-                len(self.dataset),
-                self.replicas,
-                self.batch_size,
-                self.seed,
-                epoch,
-                self.shuffle,
-                self.drop_last,
-            ):
+            order = self._orders.pop(epoch, None)
+            if order is None:
+                order = epoch_order(len(self.dataset), self.seed, epoch, self.shuffle)
+            for batches in batches_of(order, self.replicas, self.batch_size, self.drop_last):
                 if step >= self.start_step:
                     yield batches
                 step += 1

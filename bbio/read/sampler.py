@@ -51,9 +51,15 @@ def epoch_batches(
     drop_last: bool,
 ) -> list[list[np.ndarray]]:
     """Every step's batches of one epoch: ``result[step][rank]`` (maybe empty)."""
-    order = epoch_order(n, seed, epoch, shuffle)
+    return batches_of(epoch_order(n, seed, epoch, shuffle), replicas, batch_size, drop_last)
+
+
+def batches_of(
+    order: np.ndarray, replicas: int, batch_size: int, drop_last: bool
+) -> list[list[np.ndarray]]:
+    """The batches of an epoch whose order is ``order``: ``result[step][rank]``."""
     shares = [rank_indices(order, replicas, rank, drop_last) for rank in range(replicas)]
     return [
         [share[step * batch_size : (step + 1) * batch_size] for share in shares]
-        for step in range(steps_per_epoch(n, replicas, batch_size, drop_last))
+        for step in range(steps_per_epoch(order.size, replicas, batch_size, drop_last))
     ]
