@@ -234,6 +234,20 @@ def test_loader_epoch_delivers_each_sample_once_and_matches_plain_reads(
             assert sorted(first_epoch) == list(range(SAMPLES))
 
 
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_loader_resumed_at_a_step_continues_the_same_shuffle(comm, datasets, prefetch):
+    root, _, config = datasets
+    with bbio.open_dataset(comm, root / "packed", config=config) as ds:
+        with bbio.Loader(comm, ds, batch_size=5, seed=9, epochs=2, prefetch=prefetch) as loader:
+            full = [loader.indices.tolist() for _ in loader]
+        resume_at = len(full) // 2 + 1  # inside the second epoch
+        with bbio.Loader(
+            comm, ds, batch_size=5, seed=9, epochs=2, prefetch=prefetch, start_step=resume_at
+        ) as loader:
+            rest = [loader.indices.tolist() for _ in loader]
+        assert rest == full[resume_at:]
+
+
 def test_loader_stopped_early_does_not_hang(comm, datasets):
     root, _, config = datasets
     with bbio.open_dataset(comm, root / "files", config=config) as ds:
