@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
+import numpy as np
+
 from bbio.errors import CLASSES_BY_NAME, BBIOError, BBIOTimeoutError, CollectiveError
 
 T = TypeVar("T")
@@ -141,8 +143,6 @@ def agreed(comm, what: str) -> Iterator[None]:
     of the messages), so the block itself must not enter a collective after a
     local failure could have happened on another rank.
     """
-    import numpy as np
-
     local: Exception | None = None
     try:
         yield

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from bbio.checkpoint import drain
+from bbio.checkpoint.restore import bb_copies
 from bbio.report import format_bytes, format_table
 
 JOURNAL_GLOB = "bb/node*/ckpt/demo/.journal"
@@ -105,6 +106,33 @@ def _draining(root: Path) -> int | None:
     return None
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid``, from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                stat = Path(f"/proc/{entry}/stat").read_text()
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and everything below it at once, as Slurm ends a job's cgroup.
+
+    Open MPI starts each rank in a process group of its own, so killing the
+    launcher's group would leave the ranks running.
+    """
+    for victim in [*_descendants(pid), pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+
+
 def train_and_kill(args: argparse.Namespace, root: Path, result: Path) -> dict:
     """Run the training phase; kill it (ranks and drains) while a drain is in progress."""
     job = subprocess.Popen(
@@ -118,7 +146,7 @@ def train_and_kill(args: argparse.Namespace, root: Path, result: Path) -> dict:
         step = _draining(root)
         if step is not None:
             killed_at = step
-            os.killpg(job.pid, signal.SIGKILL)  # the job's ranks...
+            _kill_tree(job.pid)  # the launcher and its ranks (each in its own process group)...
             for journal in root.glob(JOURNAL_GLOB):  # ...and its drains, as Slurm would
                 pid = drain.read_status(journal).get("pid")
                 if pid:
@@ -127,13 +155,19 @@ def train_and_kill(args: argparse.Namespace, root: Path, result: Path) -> dict:
             break
         time.sleep(0.005)
     output = job.communicate()[0].decode(errors="replace")
-    saved = [int(line.split()[2]) for line in output.splitlines() if line.startswith("saved step")]
+    lines = output.splitlines()
+    printed = [int(line.split()[2]) for line in lines if line.startswith("saved step")]
+    committed = drain.committed_steps(root / "pfs" / "ckpt" / "demo")
+    pending = sorted({t.step for j in root.glob(JOURNAL_GLOB) for t in drain.pending(j)})
+    # a save the kill cut short of its log line counts if every node's copy was complete
+    copies = [set(bb_copies(d / "ckpt" / "demo", None)) for d in sorted(root.glob("bb/node*"))]
+    in_every_bb = set.intersection(*copies) if copies else set()
     return {
         "killed_at": killed_at,
-        "saves": saved,
+        "saves": sorted({*printed, *committed, *in_every_bb}),
         "seconds": time.monotonic() - start,
-        "committed": drain.committed_steps(root / "pfs" / "ckpt" / "demo"),
-        "pending": sorted(t.step for j in root.glob(JOURNAL_GLOB) for t in drain.pending(j)),
+        "committed": committed,
+        "pending": pending,
     }
 
 
