@@ -6,7 +6,7 @@ verified), and measure one epoch read through ``bbio.Loader`` against plain
 per-rank reads of the same samples.
 
 ``train``: train a small model whose batches come from ``bbio.Loader`` and
-checkpoint it asynchronously every few steps (``bbio.Checkpointer``); after
+checkpoint it asynchronously every few steps (``bbio.Checkpointer``); before
 each save, the job appends the CRC32C of every rank's state to a training log
 on the PFS.  The driver kills this phase in the middle of a drain.
 
@@ -250,11 +250,11 @@ def train(comm, args: argparse.Namespace, config: Config, restart: bool) -> dict
     for step, batch in _batches(comm, config, pfs, args, start_step):
         model = train_step(model, batch, step)
         if step % CHECKPOINT_EVERY == 0:
+            _log_digests(comm, log_path, step, model)  # first: a kill may follow the save
             comm.Barrier()
             start = time.monotonic()
             handle = ckpt.save(step, model, attrs={"loader_step": step})
             blocked = _max(comm, time.monotonic() - start)
-            _log_digests(comm, log_path, step, model)
             result["saves"].append({"step": step, "blocking_seconds": blocked})
             if comm.Get_rank() == 0:
                 print(f"saved step {step} ({blocked:.3f} s blocking)", flush=True)
