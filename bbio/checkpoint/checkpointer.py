@@ -35,7 +35,7 @@ from bbio.transfer import files
 log = logging.getLogger("bbio")
 
 FILE_OVERHEAD_BYTES = 1 << 20  # HDF5 metadata, per node file, generously
-MAX_WAIT_POLL_SECONDS = 0.25
+MAX_WAIT_POLL_SECONDS = 0.05  # the BB journal is asked first: cheap; the PFS only at the end
 
 
 @dataclasses.dataclass
@@ -73,7 +73,7 @@ class SaveHandle:
         node's drain last reported.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.005  # then longer and longer: a long drain costs the PFS few lookups
+        pause = 0.005  # then longer, up to MAX_WAIT_POLL_SECONDS
         while not self.done():
             if deadline is not None and time.monotonic() > deadline:
                 missing = [
