@@ -15,6 +15,20 @@ from pathlib import Path
 from bbio.errors import DependencyError, UsageError
 
 
+def pyplot():
+    """matplotlib's pyplot, drawing to files (Agg), or a clear error without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise DependencyError(
+            "plotting needs matplotlib", hint="pip install -e '.[bench]'"
+        ) from exc
+    return plt
+
+
 def plot(
     documents: list[dict],
     output: Path,
@@ -27,15 +41,7 @@ def plot(
     ``metrics`` picks the panels (default: every metric), ``log_metrics`` the
     panels drawn on a logarithmic axis.
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as exc:
-        raise DependencyError(
-            "plotting needs matplotlib", hint="pip install -e '.[bench]'"
-        ) from exc
+    plt = pyplot()
     results = [r for doc in documents for r in doc["results"]]
     found = list(dict.fromkeys(r["metric"] for r in results))
     unknown = sorted(set(metrics or []) - set(found))

@@ -64,9 +64,10 @@ import numpy as np
 
 import bbio.bench as bench
 from bbio.bench import BenchContext, suite
+from bbio.bench.plot import pyplot
 from bbio.bench.read import WORKLOADS, Workload, byte_size
 from bbio.config import load_config
-from bbio.errors import DependencyError, UsageError
+from bbio.errors import UsageError
 from bbio.read.plan import Extents, Holders, aggregation_pays, make_plan
 from bbio.read.sampler import epoch_order, rank_indices, steps_per_epoch
 from bbio.report import format_bytes, format_table
@@ -291,16 +292,9 @@ def plot_model(results: Sequence[dict[str, Any]], output: Path) -> None:
 
     ``results`` are the JSON ``results`` entries of a ``read-model`` run.
     """
-    try:
-        import matplotlib
+    plt = pyplot()
+    from matplotlib.ticker import NullLocator
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import NullLocator
-    except ImportError as exc:
-        raise DependencyError(
-            "plotting needs matplotlib", hint="pip install -e '.[bench]'"
-        ) from exc
     curves: dict[tuple[str, str, str], list[tuple[int, float]]] = {}
     for r in results:
         workload, ranks = r["case"].rsplit("-R", 1)

@@ -427,23 +427,7 @@ class Dataset:
             else:
                 target = np.empty(int(lengths.sum()), dtype=np.uint8)
                 places = np.cumsum(lengths) - lengths
-            got = _native.pread_batch(
-                [self._fd(int(f)) for f in files],
-                extents.offset[ids],
-                lengths,
-                target,
-                places,
-                threads=self.config.io_threads,
-                paths=[self._path(int(f)) for f in files],
-            )
-            short = np.flatnonzero(got != lengths)
-            if short.size:
-                raise IntegrityError(
-                    f"the file is shorter than the dataset says ({short.size} short reads)",
-                    path=self._path(int(files[short[0]])),
-                    node=self.node,
-                    hint="the dataset changed after it was opened; open it again",
-                )
+            self._pread(files, extents.offset[ids], lengths, target, places)
             if not self.fixed_size:
                 for i, (start, length) in enumerate(
                     zip(places.tolist(), lengths.tolist(), strict=True)
@@ -494,17 +478,34 @@ class Dataset:
         """Read the plan's reads ``mine`` into their places in ``buffer``."""
         if mine.size == 0:
             return
-        files = plan.read_file[mine]
-        got = _native.pread_batch(
-            [self._fd(int(f)) for f in files],
+        self._pread(
+            plan.read_file[mine],
             plan.read_offset[mine],
             plan.read_length[mine],
             buffer,
             plan.read_buf[mine],
+        )
+
+    def _pread(
+        self,
+        files: np.ndarray,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        out: np.ndarray,
+        places: np.ndarray,
+    ) -> None:
+        """Read ``lengths`` bytes of ``files`` at ``offsets`` into ``out`` at ``places``,
+        ``io_threads`` in flight; a short read means the dataset changed."""
+        got = _native.pread_batch(
+            [self._fd(int(f)) for f in files],
+            offsets,
+            lengths,
+            out,
+            places,
             threads=self.config.io_threads,
             paths=[self._path(int(f)) for f in files],
         )
-        short = np.flatnonzero(got != plan.read_length[mine])
+        short = np.flatnonzero(got != lengths)
         if short.size:
             raise IntegrityError(
                 f"the file is shorter than the dataset says ({short.size} short reads)",
