@@ -104,8 +104,6 @@ def allgather_dict(comm, part: Mapping[K, V]) -> dict[K, V]:
 
 def sum_over_ranks(comm, *values: int) -> list[int]:
     """Collective over ``comm``: the element-wise sums of ``values`` over all ranks."""
-    import numpy as np
-
     return [int(v) for v in comm.allreduce(np.array(values, dtype=np.int64))]
 
 

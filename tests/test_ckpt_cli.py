@@ -36,6 +36,11 @@ JOB = textwrap.dedent(
             threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
         ckpt.save(2, state(2, 4 << 20))  # 512 MiB per rank: still writing at 0.3 s
         ckpt.close()
+    elif action == "raise-inside-with":
+        with ckpt:
+            ckpt.save(1, state(1, 1000))
+            if comm.Get_rank() == 0:
+                raise RuntimeError("the training failed on rank 0")
     elif action == "restore":
         step, arrays, _ = ckpt.restore()
         w = arrays["w"]
@@ -102,3 +107,34 @@ def test_a_rank_killed_during_save_never_leaves_a_restorable_partial_checkpoint(
     restored = run_mpi(4, str(job), str(tmp_path), "restore", timeout=300)
     assert restored.returncode == 0, restored.stdout + restored.stderr
     assert "restored step 1 rows 1000" in restored.stdout
+
+
+def test_an_error_on_one_rank_inside_with_ends_the_job_instead_of_hanging(tmp_path, job):
+    # `python -m mpi4py` aborts the job on an uncaught exception (plain `python` would
+    # wait in MPI_Finalize for the other ranks); bbio must not wait for them before that
+    args = ("-m", "mpi4py", str(job), str(tmp_path), "raise-inside-with")
+    failed = run_mpi(4, *args, timeout=120)
+    assert failed.returncode != 0
+    assert "the training failed on rank 0" in failed.stdout + failed.stderr
+
+
+def test_trimming_never_deletes_a_copy_that_is_not_drained(tmp_path):
+    from bbio.checkpoint import drain, layout
+    from bbio.transfer import files
+
+    bb, pfs = tmp_path / "bb" / "ckpt" / "run", tmp_path / "pfs" / "ckpt" / "run"
+    journal = drain.journal_dir(bb)
+    journal.mkdir(parents=True)
+    for step in (1, 2, 3, 4):
+        step_dir = bb / layout.step_dirname(step)
+        step_dir.mkdir()
+        (step_dir / layout.node_filename(0)).write_bytes(b"x")
+        drained = step != 2  # step 2: just written, its drain has not copied it yet
+        record = {"size": 1, "crc32c": 7 if drained else None, "node": 0, "complete": True}
+        files.write_json_atomic(step_dir / layout.node_record_name(0), record)
+    (pfs / layout.step_dirname(9)).mkdir(parents=True)  # a newer step is committed
+    manifest = {"format": drain.MANIFEST_FORMAT, "step": 9}
+    files.write_json_atomic(drain.manifest_path(pfs / layout.step_dirname(9)), manifest)
+    drain.trim_bb(bb, 0, 1, pfs, journal)
+    left = sorted(p.name for p in bb.glob("step-*"))
+    assert left == [layout.step_dirname(2), layout.step_dirname(4)]

@@ -247,6 +247,14 @@ def test_aggregation_pays_when_it_merges_enough_or_data_is_on_another_node():
     near = [[0], [0], [100], [101]]  # node 1's ranks read their own burst buffer
     assert not decide(near, extents, files, on_node_1, 1.0)
     assert not decide([[], [], [], []], extents, files, pfs, 0.1)
+    # samples cut into several reads (max_read below the sample size): 0 still aggregates
+    plan = plan_for(
+        scattered, extents, files, rank_node=[0, 0, 1, 1], aggregators=[0, 2], max_read=200
+    )
+    req_rank, samples = np.repeat(np.arange(4), 2), np.concatenate(scattered)
+    assert plan.requests_issued > samples.size
+    assert aggregation_pays(plan, req_rank, samples, extents, [0, 0, 1, 1], pfs, 0.0)
+    assert not aggregation_pays(plan, req_rank, samples, extents, [0, 0, 1, 1], pfs, 0.1)
 
 
 def test_no_requests_at_all():

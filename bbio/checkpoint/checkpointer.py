@@ -323,9 +323,8 @@ class Checkpointer:
         return not short
 
     def _trim_bb(self, keep: int) -> None:
-        """Delete this node's oldest BB copies beyond ``keep``, if committed on the PFS."""
-        queued = {t.step for t in drain.pending(self.journal)}
-        drain.trim_bb(self.bb_dir, self.node, keep, self.pfs_dir, queued)
+        """Delete this node's oldest drained BB copies beyond ``keep``."""
+        drain.trim_bb(self.bb_dir, self.node, keep, self.pfs_dir, self.journal)
 
     def _start_drain(self) -> None:
         if self._drain is not None and self._drain.poll() is None:
@@ -492,11 +491,16 @@ class Checkpointer:
         return infos
 
     def close(self, wait: bool = True, timeout: float | None = None) -> None:
-        """Collective: optionally wait until every save is committed, then stop the drains.
+        """Collective over the checkpointer's communicator: optionally wait until every
+        save is committed, then stop the drains.
 
-        Returns on every rank once every node's drain has stopped.  The
-        ``timeout`` is agreed: every rank raises the same error at once.
+        With ``wait``, returns on every rank once every node's drain has stopped,
+        and the ``timeout`` is agreed: every rank raises the same error at once
+        (the drains then keep their journals for ``bbio ckpt drain --finish``).
+        Without ``wait`` (as on an exception inside ``with``) nothing waits for
+        other ranks.
         """
+        drained = False
         try:
             if wait:
                 deadline = None if timeout is None else time.monotonic() + timeout
@@ -508,12 +512,14 @@ class Checkpointer:
                             hint="'bbio ckpt drain --finish' completes them",
                         )
                     time.sleep(0.05)
+                drained = True
         finally:
             if self.topo.is_leader:
                 files.write_json_atomic(self.journal / drain.STOP, {"time": time.time()})
-                if self._drain is not None and wait:
-                    self._drain.wait()
-            self.comm.Barrier()
+                if self._drain is not None and drained:
+                    self._drain.wait()  # its queue is empty: it only trims and exits
+            if drained:
+                self.comm.Barrier()
             self.topo.free()
             self.comm.Free()
 

@@ -329,13 +329,16 @@ def _remove_tree(path: Path) -> None:
 # ------------------------------------------------------------------ the loop
 
 
-def trim_bb(bb_ckpt_dir: Path, node: int, keep: int, pfs_ckpt_dir: Path, queued: set[int]) -> None:
-    """Delete ``node``'s oldest BB copies beyond the ``keep`` newest, if committed on the PFS.
+def trim_bb(bb_ckpt_dir: Path, node: int, keep: int, pfs_ckpt_dir: Path, journal: Path) -> None:
+    """Delete ``node``'s oldest BB copies beyond the ``keep`` newest, once safe.
 
-    A copy still queued for draining, or not yet committed (the only complete
-    copy), is kept; one that PFS retention already dropped (a newer step is
-    committed) goes.  Not collective: the node's drain calls it after each
-    task, and a save calls it when the burst buffer is short of room.
+    A copy goes only when this node's drain has copied it to the PFS (its BB
+    record carries the PFS copy's CRC32C), it is not queued in ``journal``, and
+    that step or a newer one is committed on the PFS (the copy is then not the
+    only complete one; retention may already have dropped the step itself).  A
+    copy just written, or one still draining, is never touched.  Not
+    collective: the node's drain calls it after each task, and a save calls it
+    when the burst buffer is short of room.
     """
     copies = sorted(
         step
@@ -343,23 +346,30 @@ def trim_bb(bb_ckpt_dir: Path, node: int, keep: int, pfs_ckpt_dir: Path, queued:
         if (step := layout.parse_step(entry.name)) is not None
         and (entry / layout.node_record_name(node)).exists()
     )
+    queued = {t.step for t in pending(journal)}  # read after the listing
     committed = committed_steps(pfs_ckpt_dir)
     for step in copies[: max(len(copies) - keep, 0)]:
-        name = layout.step_dirname(step)
-        if step in queued or not any(done >= step for done in committed):
+        step_dir = bb_ckpt_dir / layout.step_dirname(step)
+        record = files.read_json(step_dir / layout.node_record_name(node)) or {}
+        drained = record.get("crc32c") is not None
+        if not drained or step in queued or not any(done >= step for done in committed):
             continue
         for stale in (layout.node_record_name(node), layout.node_filename(node)):
-            (bb_ckpt_dir / name / stale).unlink(missing_ok=True)
+            try:
+                (step_dir / stale).unlink(missing_ok=True)
+            except OSError as exc:
+                raise from_oserror(
+                    exc, "delete an old burst-buffer copy", step_dir / stale
+                ) from None
         with contextlib.suppress(OSError):
-            (bb_ckpt_dir / name).rmdir()
+            step_dir.rmdir()
 
 
 def _trim_after(journal: Path, task: Task) -> None:
     """BB retention for ``task``'s node and checkpointer (tolerates a vanished directory)."""
-    queued = {t.step for t in pending(journal)}
     bb_ckpt_dir, pfs_ckpt_dir = Path(task.bb_step_dir).parent, Path(task.pfs_step_dir).parent
-    with contextlib.suppress(OSError):
-        trim_bb(bb_ckpt_dir, task.node, task.keep_bb, pfs_ckpt_dir, queued)
+    with contextlib.suppress(OSError, BBIOError):
+        trim_bb(bb_ckpt_dir, task.node, task.keep_bb, pfs_ckpt_dir, journal)
 
 
 def _process(journal: Path, task: Task) -> None:

@@ -128,9 +128,15 @@ def _kill_tree(pid: int) -> None:
     Open MPI starts each rank in a process group of its own, so killing the
     launcher's group would leave the ranks running.
     """
-    for victim in [*_descendants(pid), pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(victim, signal.SIGKILL)
+    for _ in range(5):  # again, for what was forked while the first ones died
+        below = _descendants(pid)
+        if not below:
+            break
+        for victim in below:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def train_and_kill(args: argparse.Namespace, root: Path, result: Path) -> dict:

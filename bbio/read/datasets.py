@@ -15,8 +15,10 @@ node holding a file serves it.  Otherwise they are read from the PFS.
 
 :meth:`Dataset.read` is collective: every rank passes its own sample ids, the
 plan (:mod:`bbio.read.plan`) picks a few aggregator ranks that issue large
-merged reads with many requests in flight (native batched reads), and one
-``Alltoallv`` hands every rank its bytes, in the order it asked.
+merged reads with many requests in flight (native batched reads), in rounds,
+and one ``Ialltoallw`` per round hands every rank its bytes, in the order it
+asked.  When merging would save little, every rank reads its own samples
+directly instead.
 """
 
 from __future__ import annotations
@@ -317,8 +319,9 @@ class Dataset:
         """True when every sample has the same shape (reads return one array)."""
         return self.layout.sample_shape is not None
 
-    def read(self, indices: Sequence[int] | np.ndarray):
-        """Collective: each rank passes its own sample ids and gets its samples in that order.
+    def read(self, indices: Sequence[int] | np.ndarray) -> np.ndarray | list[np.ndarray]:
+        """Collective over the dataset's communicator: each rank passes its own sample ids
+        and gets its samples in that order.
 
         Returns an array of shape ``(len(indices), *sample_shape)`` for
         fixed-size samples, else a list of uint8 arrays.  A rank may pass no
@@ -334,13 +337,15 @@ class Dataset:
         self.comm.Allgatherv(mine, [everyone, counts, _displs(counts), MPI.INT64_T])
         return self.read_planned(np.split(everyone, np.cumsum(counts)[:-1]))
 
-    def read_planned(self, requests: Sequence[np.ndarray]):
-        """Collective: like :meth:`read`, with every rank's ids already known.
+    def read_planned(self, requests: Sequence[np.ndarray]) -> np.ndarray | list[np.ndarray]:
+        """Collective over the dataset's communicator: like :meth:`read`, with every
+        rank's ids already known.
 
         ``requests[r]`` holds rank r's ids (every rank passes the same list);
-        the :class:`Loader` uses this to skip exchanging requests.  One
-        ``Alltoallv`` moves the bytes, and with them each aggregator's status,
-        so a failed read raises the same error on every rank.
+        the :class:`Loader` uses this to skip exchanging requests.  Each round
+        is one ``Ialltoallw`` next to an ``Iallgather`` of every aggregator's
+        status, so a failed read raises the same error on every rank; on the
+        direct path one agreement does the same.
         """
         rank = self.comm.Get_rank()
         n = len(self)
@@ -408,7 +413,7 @@ class Dataset:
         self._count(requests, plan.requests_issued, plan.bytes_read)
         return out
 
-    def _read_direct(self, ids: np.ndarray):
+    def _read_direct(self, ids: np.ndarray) -> np.ndarray | list[np.ndarray]:
         """This rank's samples ``ids``, read by itself (``io_threads`` in flight).
 
         Collective only in its agreement: a failure on any rank raises the
@@ -455,7 +460,7 @@ class Dataset:
             self._reader = concurrent.futures.ThreadPoolExecutor(1, "bbio-read")
         return self._reader.submit(self._aggregate, plan, mine, buffer)
 
-    def _output(self, count: int):
+    def _output(self, count: int) -> np.ndarray | list[np.ndarray]:
         if self.fixed_size:
             return np.empty((count, *self.layout.sample_shape), dtype=np.dtype(self.layout.dtype))
         return [np.zeros(0, dtype=np.uint8)] * count
@@ -521,7 +526,7 @@ class Dataset:
         agg: int,
         failed: bool,
         chosen: np.ndarray,
-        out,
+        out: np.ndarray | list[np.ndarray],
     ) -> np.ndarray:
         """Hand out the ``chosen`` requests (one round); returns every aggregator's status.
 

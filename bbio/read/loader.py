@@ -14,6 +14,8 @@ import queue
 import threading
 from collections.abc import Iterator
 
+import numpy as np
+
 from bbio.errors import UsageError
 from bbio.read.datasets import Dataset
 from bbio.read.sampler import batches_of, epoch_order, steps_per_epoch
@@ -79,8 +81,10 @@ class Loader:
         self._thread: threading.Thread | None = None
         # The first epoch's shuffle is drawn now, not in the first step: for a
         # dataset of many small samples it takes tens of milliseconds.
-        first = min(start_step // self._steps, epochs) if self._steps else 0
-        self._orders = {first: epoch_order(len(dataset), seed, first, shuffle)}
+        first = start_step // self._steps if self._steps else epochs
+        self._orders: dict[int, np.ndarray] = {}
+        if first < epochs:
+            self._orders[first] = epoch_order(len(dataset), seed, first, shuffle)
 
     def __len__(self) -> int:
         """Steps per epoch (the same on every rank)."""

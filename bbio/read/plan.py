@@ -21,7 +21,7 @@ length).  The plan:
    request, its aggregator and where its bytes start.
 
 Everything is vectorised with NumPy.  From the result every rank derives what
-it sends to and receives from every other in one ``Alltoallv``.
+it sends to and receives from every other rank.
 :func:`split_rounds` cuts a plan into rounds, so that the aggregators read
 round k+1 while the ranks exchange round k.  :func:`aggregation_pays` decides
 whether the exchange is worth it at all: when merging saves little, every
@@ -260,7 +260,7 @@ def split_rounds(plan: ReadPlan, round_bytes: int, max_rounds: int = 8) -> Round
         mine = mine[np.argsort(plan.read_buf[mine], kind="stable")]
         lengths = plan.read_length[mine]
         before = np.cumsum(lengths) - lengths
-        read_round[mine] = before * count // int(lengths.sum())
+        read_round[mine] = before * count // max(int(lengths.sum()), 1)
         served = np.flatnonzero(plan.req_agg == agg)
         last_byte = plan.req_buf[served] + np.maximum(plan.req_length[served] - 1, 0)
         holder = np.searchsorted(plan.read_buf[mine], last_byte, side="right") - 1
@@ -282,11 +282,14 @@ def aggregation_pays(
     Aggregating costs an exchange over MPI; it pays when merging saves at
     least ``min_saving`` (a fraction) of the read requests the ranks would
     issue on their own, or when a request must be served by another node's
-    burst buffer.  Otherwise every rank reads its own samples directly.
+    burst buffer.  Otherwise every rank reads its own samples directly.  A
+    ``min_saving`` of 0 always aggregates.
     """
     req_rank = np.asarray(req_rank, dtype=np.int64)
     if req_rank.size == 0:
         return False
+    if min_saving <= 0:
+        return True
     files = extents.file[np.asarray(req_sample, dtype=np.int64)].astype(np.int64)
     req_node = np.asarray(rank_node, dtype=np.int64)[req_rank]
     remote = (holders.lowest[files] != PFS_ONLY) & ~holders.holds[req_node, files]
