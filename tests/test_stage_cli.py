@@ -270,7 +270,10 @@ def test_resume_after_kill(tmp_path, big_src, n, rpn):
         for rel, path in present.items():
             assert_same_file(path, sources[rel])
         survivors += len(present)
-    assert 0 < survivors < 2 * len(sources), f"not interrupted midway:\n{log.read_text()}"
+    # Files are committed (renamed) in one batch per node after the copy, so the kill
+    # lands while one node commits, or after both did and before the manifest: either
+    # way the killed run left no manifest and the rerun must finish the job.
+    assert 0 < survivors <= 2 * len(sources), f"not interrupted:\n{log.read_text()}"
 
     result = stage_in(n, rpn, big_src, str(dst / "{node}"))
     assert_ok(result)
