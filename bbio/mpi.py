@@ -243,10 +243,3 @@ def library_version() -> str:
         mpi4py.rc.initialize = False
         mpi4py.rc.finalize = False
     return _mpi().Get_library_version().replace("\x00", "").strip()
-
-
-def is_initialized() -> bool:
-    """Whether MPI has been initialised in this process (False if mpi4py is not loaded)."""
-    if "mpi4py.MPI" not in sys.modules:
-        return False
-    return bool(_mpi().Is_initialized())

@@ -8,13 +8,12 @@ import os
 import numpy as np
 import pytest
 
+from bbio.bench import IoCounters, byte_size
 from bbio.bench.__main__ import build_parser
 from bbio.bench.read import (
     ALL_SYSTEMS,
     KEEP_ENV,
     WORKLOADS,
-    IoCounters,
-    byte_size,
     check_samples,
     child_env,
 )

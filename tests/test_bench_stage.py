@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 
+from bbio.bench import byte_size
 from bbio.bench.__main__ import build_parser
-from bbio.bench.stage import byte_size
 from tests.conftest import run_mpi
 
 CASES = ("small-files", "large-files", "packed")

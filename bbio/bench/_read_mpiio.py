@@ -27,10 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
+from bbio.bench import IoCounters, drop_caches, idle_barrier
 from bbio.bench.read import (
-    IoCounters,
     check_samples,
-    drop_caches,
     loaded_io_components,
     server_counters,
     server_delta,
@@ -103,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     spec = json.loads(Path(argv[0]).read_text())
     from mpi4py import MPI
 
-    from bbio.bench.read import idle_barrier
     from bbio.mpi import abort_on_error
 
     comm = MPI.COMM_WORLD

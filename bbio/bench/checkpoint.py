@@ -66,21 +66,29 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 import bbio.bench as bench
-from bbio.bench import BenchContext, gb_per_s, suite
+from bbio.bench import (
+    BenchContext,
+    MiB,
+    at_least,
+    byte_size,
+    drop_caches,
+    fs_type,
+    gb_per_s,
+    idle_barrier,
+    names,
+    suite,
+)
 from bbio.bench.copy import size_label
-from bbio.bench.stage import byte_size, drop_caches, fs_type, idle_barrier
 from bbio.checkpoint import drain, layout
 from bbio.checkpoint.checkpointer import Checkpointer
 from bbio.config import Config
 from bbio.errors import UsageError
 from bbio.mpi import topology
 
-MiB = 1 << 20
 FULL_SIZES = (16 * MiB, 64 * MiB, 256 * MiB)
 QUICK_SIZES = (16 * MiB, 64 * MiB)
 WARMUP_SIZE = MiB
@@ -121,21 +129,6 @@ def _sizes(text: str) -> list[int]:
     return sizes
 
 
-def _systems(text: str) -> list[str]:
-    chosen = [s.strip() for s in text.split(",") if s.strip()]
-    unknown = sorted(set(chosen) - set(SYSTEMS))
-    if unknown or not chosen:
-        raise argparse.ArgumentTypeError(f"unknown systems {unknown}; choose from {SYSTEMS}")
-    return chosen
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pfs",
@@ -156,12 +149,12 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
         "16MiB,64MiB)",
     )
     parser.add_argument(
-        "--repeats", type=_count, help="repetitions per size (default 5; --quick: 2)"
+        "--repeats", type=at_least(1), help="repetitions per size (default 5; --quick: 2)"
     )
-    parser.add_argument("--arrays", type=_count, default=len(KEYS), help="arrays per rank")
+    parser.add_argument("--arrays", type=at_least(1), default=len(KEYS), help="arrays per rank")
     parser.add_argument(
         "--systems",
-        type=_systems,
+        type=names(SYSTEMS),
         default=list(SYSTEMS),
         metavar="LIST",
         help=f"comma-separated subset of {','.join(SYSTEMS)} (default: all)",
@@ -563,16 +556,6 @@ class CheckpointBench:
             self.ctx.log(f"{case} #{repeat + 1}: {shown} s")
 
 
-def _record_in_json(info: dict[str, Any]) -> None:
-    """Add ``info`` to the ``machine`` block the harness writes (it has no other hook)."""
-    original = bench.machine_info
-
-    def machine_info(comm) -> dict[str, Any]:
-        return {**original(comm), "caches_dropped": info["caches_dropped"], "checkpoint": info}
-
-    bench.machine_info = machine_info
-
-
 @suite(
     "checkpoint",
     "checkpoint save: bbio (blocking, committed) vs h5py, torch DCP async_save, raw limits",
@@ -619,12 +602,10 @@ def run(ctx: BenchContext) -> None:
             shutil.rmtree(pfs, ignore_errors=True)
             shutil.rmtree(bb, ignore_errors=True)
     if ctx.rank == 0:
-        if args.drop_caches and not all(runner.drops):
-            ctx.log("could not drop the page cache (needs root): the PFS may be written warm")
-        _record_in_json(
+        bench.record_machine(
+            ctx,
+            "checkpoint",
             {
-                "caches_dropped": bool(runner.drops) and all(runner.drops),
-                "drop_caches_requested": bool(args.drop_caches),
                 "pfs": str(pfs),
                 "pfs_fstype": fs_type(pfs),
                 "bb": str(bb),
@@ -637,5 +618,7 @@ def run(ctx: BenchContext) -> None:
                 "torch": torch_note if use_torch else None,
                 "dcp_skipped": None if use_torch else torch_note,
                 "warmup_size_per_rank": WARMUP_SIZE,
-            }
+            },
+            drops=runner.drops,
+            drop_requested=bool(args.drop_caches),
         )

@@ -27,10 +27,8 @@ from pathlib import Path
 import numpy as np
 
 from bbio import _native
-from bbio.bench import BenchContext, gb_per_s, suite, timed
+from bbio.bench import BenchContext, GiB, KiB, MiB, gb_per_s, suite, timed
 from bbio.report import format_bytes
-
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:

@@ -85,7 +85,6 @@ import argparse
 import dataclasses
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -98,7 +97,22 @@ from typing import Any
 import numpy as np
 
 import bbio.bench as bench
-from bbio.bench import BenchContext, suite
+from bbio.bench import (
+    BenchContext,
+    GiB,
+    IoCounters,
+    MiB,
+    at_least,
+    byte_size,
+    drop_caches,
+    fs_type,
+    idle_barrier,
+    mount_of,
+    names,
+    parse_io,
+    positive,
+    suite,
+)
 from bbio.config import Config, load_config
 from bbio.errors import UsageError
 from bbio.read.datasets import open_dataset
@@ -106,7 +120,6 @@ from bbio.read.loader import Loader
 from bbio.read.sampler import epoch_batches
 from bbio.report import format_bytes
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 DATA_FORMAT = "bbio-bench-read/1"
 DATA_DIR = "bbio-bench-read"
 RANKS_PER_NODE = 2
@@ -141,7 +154,6 @@ MPIIO = {"romio": "romio321", "ompio": "ompio"}
 ALL_SYSTEMS = (*IN_PROCESS, *MPIIO)
 FULL = {"file_size": 2 * GiB, "steps": 20}
 QUICK = {"file_size": 128 * MiB, "steps": 4}
-_UNITS = {"": 1, "k": KiB, "kib": KiB, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB}
 # Environment variables of the parent job a child mpirun may keep.
 KEEP_ENV = {
     "OMPI_ALLOW_RUN_AS_ROOT",
@@ -149,42 +161,6 @@ KEEP_ENV = {
     "OMPI_MCA_rmaps_base_oversubscribe",
     "OMPI_MCA_mpi_yield_when_idle",
 }
-
-
-def byte_size(text: str) -> int:
-    """'4096', '100KiB', '64M', '2GiB' -> bytes (binary units)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kmg](?:ib)?)?\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4096, 100KiB, 2GiB)")
-    return int(match.group(1)) * _UNITS[match.group(2) or ""]
-
-
-def _positive(kind: type) -> Callable[[str], Any]:
-    def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    return parse
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {text}")
-    return value
-
-
-def _names(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
-    def parse(text: str) -> list[str]:
-        names = [n.strip() for n in text.split(",") if n.strip()]
-        wrong = [n for n in names if n not in allowed]
-        if wrong or not names:
-            raise argparse.ArgumentTypeError(f"choose among {', '.join(allowed)} (got {text!r})")
-        return names
-
-    return parse
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
@@ -197,41 +173,41 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
         metavar="BYTES",
         help="bytes of each case's dataset (full: 2GiB, --quick: 128MiB)",
     )
-    parser.add_argument("--steps", type=_positive(int), help="steps per system (full 20, quick 4)")
+    parser.add_argument("--steps", type=at_least(1), help="steps per system (full 20, quick 4)")
     parser.add_argument(
         "--sample-scale",
-        type=_positive(float),
+        type=positive,
         default=1.0,
         help="multiply every case's sample size by this (tests; at least 16 bytes)",
     )
     parser.add_argument(
         "--batch-scale",
-        type=_positive(float),
+        type=positive,
         default=1.0,
         help="multiply every case's batch by this (tests; at least 1)",
     )
     parser.add_argument(
         "--compute-scale",
-        type=_non_negative,
+        type=at_least(0, float),
         default=1.0,
         help="multiply every case's compute time per step by this (default 1: DLIO's)",
     )
     parser.add_argument(
         "--compute-ratio",
-        type=_positive(float),
+        type=positive,
         help="instead: the loaders' compute per step is this times bbio's median step time "
         "measured just before in the same run (the AU target uses 1.5; needs system bbio)",
     )
     parser.add_argument(
-        "--cases", type=_names(tuple(WORKLOADS)), default=list(WORKLOADS), help="comma list"
+        "--cases", type=names(tuple(WORKLOADS)), default=list(WORKLOADS), help="comma list"
     )
     parser.add_argument(
-        "--systems", type=_names(ALL_SYSTEMS), default=list(ALL_SYSTEMS), help="comma list"
+        "--systems", type=names(ALL_SYSTEMS), default=list(ALL_SYSTEMS), help="comma list"
     )
     parser.add_argument("--seed", type=int, default=0, help="the global shuffle's seed")
-    parser.add_argument("--prefetch", type=_positive(int), default=2, help="bbio-loader prefetch")
+    parser.add_argument("--prefetch", type=at_least(1), default=2, help="bbio-loader prefetch")
     parser.add_argument(
-        "--io-threads", type=_positive(int), help="bbio's reader threads (default: config, 8)"
+        "--io-threads", type=at_least(1), help="bbio's reader threads (default: config, 8)"
     )
     parser.add_argument(
         "--mpiio-aggregators",
@@ -259,61 +235,6 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------ helpers shared with the worker
 
 
-def idle_barrier(comm) -> None:
-    """A barrier that sleeps while waiting, leaving the CPUs to the ranks that work."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.002)
-
-
-def drop_caches(enabled: bool) -> bool:
-    """Sync, then drop the page cache (``echo 1``); True if it was dropped."""
-    if not enabled:
-        return False
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-    except OSError:
-        return False
-    return True
-
-
-def _parse_io(text: str) -> dict[str, int]:
-    values = {}
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if value.strip().isdigit():
-            values[key.strip()] = int(value)
-    return values
-
-
-class IoCounters:
-    """This process's ``syscr`` and ``rchar`` (all threads), minus the counters' own reads.
-
-    The file stays open; each snapshot is one ``pread``, which the kernel
-    counts (one syscall, its bytes) in the next snapshot: :meth:`delta`
-    subtracts it.
-    """
-
-    def __init__(self) -> None:
-        self.fd = os.open("/proc/self/io", os.O_RDONLY)
-
-    def snapshot(self) -> tuple[int, int, int]:
-        """(syscr, rchar, bytes of this very read)."""
-        raw = os.pread(self.fd, 4096, 0)
-        values = _parse_io(raw.decode())
-        return values["syscr"], values["rchar"], len(raw)
-
-    @staticmethod
-    def delta(before: tuple[int, int, int], after: tuple[int, int, int]) -> tuple[int, int]:
-        """(read syscalls, bytes) between two snapshots, the first snapshot's read excluded."""
-        return after[0] - before[0] - 1, after[1] - before[1] - before[2]
-
-    def close(self) -> None:
-        os.close(self.fd)
-
-
 def server_pids() -> list[int]:
     """PIDs of GlusterFS brick daemons on this machine (empty when none, or not readable)."""
     pids = []
@@ -334,7 +255,7 @@ def server_counters(pids: list[int]) -> dict[str, int] | None:
     total = {"syscr": 0, "rchar": 0, "read_bytes": 0}
     try:
         for pid in pids:
-            values = _parse_io(Path(f"/proc/{pid}/io").read_text())
+            values = parse_io(Path(f"/proc/{pid}/io").read_text())
             for key in total:
                 total[key] += values[key]
     except (OSError, KeyError):
@@ -507,29 +428,6 @@ class Datasets:
 # ------------------------------------------------------------------ the run
 
 
-def _mount_of(path: Path) -> tuple[str, str]:
-    """(mount point, file system type) of the mount holding ``path`` (from /proc/mounts)."""
-    best, kind = "", "unknown"
-    real = os.path.realpath(path)
-    try:
-        lines = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return best, kind
-    for line in lines:
-        fields = line.split()
-        if len(fields) >= 3:
-            mount = fields[1].replace("\\040", " ")
-            inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-            if inside and len(mount) >= len(best):
-                best, kind = mount, fields[2]
-    return best, kind
-
-
-def fs_type(path: Path) -> str:
-    """The file system type of the mount holding ``path``."""
-    return _mount_of(path)[1]
-
-
 def foreign_users(mount: str, mine: set[int]) -> list[str]:
     """Processes outside this job (not ``mine`` nor their descendants) using files under ``mount``.
 
@@ -603,7 +501,7 @@ class ReadBench:
         self.servers = server_pids() if self.rank == 0 else []
         self.drops: list[bool] = []
         self.mine = set(self.comm.allgather(os.getpid()))
-        mount, _ = _mount_of(self.data.root)
+        mount, _ = mount_of(self.data.root)
         self.watch = mount if mount not in ("", "/") else None  # a separate PFS mount
         self.foreign: dict[str, list[str]] = {}
         self.server: dict[str, dict[str, Any]] = {}
@@ -999,16 +897,6 @@ def loaded_io_components() -> list[str]:
     return sorted(found)
 
 
-def _record_in_json(info: dict[str, Any]) -> None:
-    """Add ``info`` to the ``machine`` block the harness writes (it has no other hook)."""
-    original = bench.machine_info
-
-    def machine_info(comm) -> dict[str, Any]:
-        return {**original(comm), "caches_dropped": info["caches_dropped"], "read": info}
-
-    bench.machine_info = machine_info
-
-
 @suite("read", "random-access DLIO-like reads: bbio vs pread, ROMIO, OMPIO, h5py", _arguments)
 def run(ctx: BenchContext) -> None:
     """Generate (or reuse) the datasets, then measure every case and system."""
@@ -1051,12 +939,10 @@ def run(ctx: BenchContext) -> None:
             if system in args.systems:
                 bench_run.mpiio(system)
         if ctx.rank == 0:
-            if args.drop_caches and not all(bench_run.drops):
-                ctx.log("could not drop the page cache (needs root): reads may be warm")
-            _record_in_json(
+            bench.record_machine(
+                ctx,
+                "read",
                 {
-                    "caches_dropped": bool(bench_run.drops) and all(bench_run.drops),
-                    "drop_caches_requested": bool(args.drop_caches),
                     "cold_steps": bool(args.cold_steps),
                     "pfs": str(pfs),
                     "pfs_fstype": fs_type(pfs),
@@ -1083,7 +969,9 @@ def run(ctx: BenchContext) -> None:
                     "foreign_users": bench_run.foreign,
                     "server_pids": bench_run.servers,
                     "server_io": bench_run.server,
-                }
+                },
+                drops=bench_run.drops,
+                drop_requested=bool(args.drop_caches),
             )
         bench_run.counters.close()
         comm.Barrier()

@@ -56,23 +56,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import bbio.bench as bench
-from bbio.bench import BenchContext, suite
+from bbio.bench import BenchContext, GiB, MiB, at_least, byte_size, positive, suite
 from bbio.bench.plot import pyplot
-from bbio.bench.read import WORKLOADS, Workload, byte_size
+from bbio.bench.read import WORKLOADS, Workload
 from bbio.config import load_config
 from bbio.errors import UsageError
 from bbio.read.plan import Extents, Holders, aggregation_pays, make_plan
 from bbio.read.sampler import epoch_order, rank_indices, steps_per_epoch
 from bbio.report import format_bytes, format_table
 
-MiB, GiB = 1 << 20, 1 << 30
 LABEL = "MODEL, not a measurement"
 SYSTEMS = ("independent-model", "bbio-model")
 DEFAULT_RANKS = (64, 256, 1024, 4096)
@@ -205,16 +204,6 @@ def aggregated_counts(
     return Counts(plan.requests_issued, clients, io_threads, plan.bytes_read, needed)
 
 
-def _at_least(minimum: float, kind: type = int) -> Callable[[str], Any]:
-    def parse(text: str):
-        value = kind(text)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {text}")
-        return value
-
-    return parse
-
-
 def _rank_list(text: str) -> list[int]:
     try:
         ranks = [int(r) for r in text.split(",") if r.strip()]
@@ -232,11 +221,11 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
         help="rank counts R (default 64,256,1024,4096; --quick: 64,256)",
     )
     parser.add_argument(
-        "--ranks-per-node", type=_at_least(1), default=8, help="ranks per node (default 8)"
+        "--ranks-per-node", type=at_least(1), default=8, help="ranks per node (default 8)"
     )
     parser.add_argument(
         "--aggregators-per-node",
-        type=_at_least(1),
+        type=at_least(1),
         default=1,
         help="bbio aggregators per node (default 1, bbio's default)",
     )
@@ -249,38 +238,38 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="the global shuffle's seed")
     parser.add_argument(
-        "--step", type=_at_least(0), default=0, help="which step of epoch 0 (default 0)"
+        "--step", type=at_least(0), default=0, help="which step of epoch 0 (default 0)"
     )
     parser.add_argument(
         "--stripe", type=byte_size, default=STRIPE, help="stripe size (default 1MiB, Lustre's)"
     )
     parser.add_argument(
         "--io-threads",
-        type=_at_least(1),
+        type=at_least(1),
         help="requests in flight per bbio aggregator (default: bbio's io_threads, 8)",
     )
     parser.add_argument(
         "--independent-inflight",
-        type=_at_least(1),
+        type=at_least(1),
         default=INDEPENDENT_INFLIGHT,
         help="requests in flight per rank reading independently (default 1: a map-style "
         "Dataset; DataLoader workers raise it)",
     )
     parser.add_argument(
         "--latency-us",
-        type=_at_least(1e-9, float),
+        type=positive,
         default=LATENCY_US,
         help=f"per-request latency in microseconds (default {LATENCY_US:g})",
     )
     parser.add_argument(
         "--bandwidth-gbs",
-        type=_at_least(1e-9, float),
+        type=positive,
         default=BANDWIDTH_GBS,
         help=f"aggregate PFS bandwidth in GB/s (default {BANDWIDTH_GBS:g})",
     )
     parser.add_argument(
         "--server-inflight",
-        type=_at_least(1),
+        type=at_least(1),
         default=SERVER_INFLIGHT,
         help=f"requests the servers work on at once (default {SERVER_INFLIGHT})",
     )
@@ -328,16 +317,6 @@ def plot_model(results: Sequence[dict[str, Any]], output: Path) -> None:
     fig.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=110)
-
-
-def _record_in_json(info: dict[str, Any]) -> None:
-    """Add ``info`` to the ``machine`` block the harness writes (it has no other hook)."""
-    original = bench.machine_info
-
-    def machine_info(comm) -> dict[str, Any]:
-        return {**original(comm), "read_model": info}
-
-    bench.machine_info = machine_info
 
 
 def _model_case(
@@ -423,7 +402,9 @@ def run(ctx: BenchContext) -> None:
             f"{workload.batch}: counted"
         )
     print(f"{LABEL}\n{format_table(TABLE, rows)}", flush=True)
-    _record_in_json(
+    bench.record_machine(
+        ctx,
+        "read_model",
         {
             "model": LABEL,
             "formula": "max(bytes / bandwidth, ceil(requests / min(server_inflight, "
@@ -440,7 +421,7 @@ def run(ctx: BenchContext) -> None:
             "seed": args.seed,
             "step": args.step,
             **settings,
-        }
+        },
     )
     if args.plot:
         plot_model([m.to_json() for m in ctx.results], args.plot)

@@ -34,7 +34,8 @@ Replicate (metric ``pfs_bytes_read``, bytes): ``bbio-replicate`` stages the
 tree to 2 virtual nodes (4 ranks, ``ranks_per_node=2``); ``naive-per-node``
 has each node's leader copy the whole tree itself with a Python read/write
 loop.  Both are measured as the sum over ranks of the increase of ``rchar`` in
-``/proc/self/io`` (bytes returned by read system calls, counted by the kernel,
+``/proc/self/io`` (``IoCounters``, its own reads excluded: bytes returned by read
+system calls, counted by the kernel,
 whether or not the page cache served them: on real nodes each would go to
 the PFS).  The bbio count is checked against ``StageSummary.source_bytes_read``
 (``machine.stage.replicate_check`` in the JSON).  Done for small and large files.
@@ -63,25 +64,34 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 import bbio.bench as bench
-from bbio.bench import BenchContext, gb_per_s, suite
+from bbio.bench import (
+    BenchContext,
+    GiB,
+    IoCounters,
+    KiB,
+    MiB,
+    at_least,
+    byte_size,
+    drop_caches,
+    fs_type,
+    gb_per_s,
+    idle_barrier,
+    suite,
+)
 from bbio.config import Config, load_config
 from bbio.report import format_bytes
 from bbio.stage.pack import pack
 from bbio.stage.run import stage_in
-
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 FULL = {
     "small_files": 20_000,
@@ -101,22 +111,8 @@ REPLICATE_NODES = 2
 _WRITE_POOL = 1 * MiB
 _SMALL_POOL = 16 * MiB
 
-_UNITS = {"": 1, "k": KiB, "kib": KiB, "m": MiB, "mib": MiB, "g": GiB, "gib": GiB}
 
-
-def byte_size(text: str) -> int:
-    """'4096', '100KiB', '64M', '1GiB' -> bytes (binary units)."""
-    match = re.fullmatch(r"\s*(\d+)\s*([kmg](?:ib)?)?\s*", text.lower())
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a byte size: {text!r} (e.g. 4096, 100KiB, 1GiB)")
-    return int(match.group(1)) * _UNITS[match.group(2) or ""]
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+COUNT = at_least(1)
 
 
 def _arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,15 +127,15 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
         default="/dev/shm",
         help="destination burst buffer; a fresh subdirectory is used (default: /dev/shm)",
     )
-    parser.add_argument("--small-files", type=_count, metavar="N", help="files of the small tree")
+    parser.add_argument("--small-files", type=COUNT, metavar="N", help="files of the small tree")
     parser.add_argument("--small-size", type=byte_size, metavar="BYTES", help="each small file")
-    parser.add_argument("--large-files", type=_count, metavar="N", help="files of the large tree")
+    parser.add_argument("--large-files", type=COUNT, metavar="N", help="files of the large tree")
     parser.add_argument("--large-size", type=byte_size, metavar="BYTES", help="each large file")
     parser.add_argument("--shard-size", type=byte_size, metavar="BYTES", help="bbio pack shards")
-    parser.add_argument("--repeats", type=_count, default=1, help="repetitions (default 1)")
+    parser.add_argument("--repeats", type=COUNT, default=1, help="repetitions (default 1)")
     parser.add_argument(
         "--io-threads",
-        type=_count,
+        type=COUNT,
         help="bbio's native copy threads per rank (default: BBIO_IO_THREADS, else 8)",
     )
     parser.add_argument(
@@ -154,44 +150,6 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ------------------------------------------------------------------ helpers
-
-
-def idle_barrier(comm) -> None:
-    """A barrier that sleeps while waiting, leaving the CPUs to the ranks that work."""
-    request = comm.Ibarrier()
-    while not request.Test():
-        time.sleep(0.002)
-
-
-def rchar() -> int | None:
-    """Bytes this process got from read system calls so far (``/proc/self/io``)."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("rchar:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return None
-
-
-def fs_type(path: Path) -> str:
-    """The file system type of the mount holding ``path`` (from /proc/mounts)."""
-    best, kind = "", "unknown"
-    real = os.path.realpath(path)
-    try:
-        lines = Path("/proc/mounts").read_text().splitlines()
-    except OSError:
-        return kind
-    for line in lines:
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        mount = fields[1].replace("\\040", " ")
-        inside = real == mount or real.startswith(mount.rstrip("/") + "/")
-        if inside and len(mount) >= len(best):
-            best, kind = mount, fields[2]
-    return kind
 
 
 def list_tree(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
@@ -209,19 +167,6 @@ def list_tree(root: Path) -> tuple[list[str], list[tuple[str, int]]]:
             found.append((path, os.lstat(os.path.join(dirpath, name)).st_size))
     found.sort()
     return sorted(dirs), found
-
-
-def drop_caches(enabled: bool) -> bool:
-    """Sync, then drop the page cache (``echo 1``); True if it was dropped."""
-    if not enabled:
-        return False
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-    except OSError:
-        return False
-    return True
 
 
 def _small_pool() -> np.ndarray:
@@ -470,6 +415,7 @@ class StageBench:
             listings, root=0
         )
         self.pool = np.random.default_rng(7).bytes(_WRITE_POOL)
+        self.counters = IoCounters()  # this process's read syscalls and bytes
         # a baseline whose tool is not installed is skipped (logged, listed in the JSON)
         self.baselines = [name for name in BASELINES if shutil.which(name)]
         self.missing = [name for name in BASELINES if name not in self.baselines]
@@ -477,6 +423,7 @@ class StageBench:
             ctx.log(f"{name} is not installed: the {name} baseline is skipped")
 
     def free(self) -> None:
+        self.counters.close()
         for sub in self.subs.values():
             if sub is not None:
                 sub.Free()
@@ -585,10 +532,9 @@ class StageBench:
         if sub is not None:
             config = self.config(ranks_per_node)
             sub.Barrier()
-            before = rchar()
+            before = self.counters.snapshot()
             summary = stage_in(sub, src, self.work / "bb-{node}", mode="replicate", config=config)
-            after = rchar()
-            delta = after - before if before is not None and after is not None else -1
+            delta = self.counters.delta(before, self.counters.snapshot())[1]
             if (
                 summary.nodes != REPLICATE_NODES
                 or summary.bytes_written != REPLICATE_NODES * nbytes
@@ -604,10 +550,9 @@ class StageBench:
         naive = 0
         if sub is not None and sub.Get_rank() % ranks_per_node == 0:
             node = sub.Get_rank() // ranks_per_node
-            before = rchar()
+            before = self.counters.snapshot()
             naive_copy(src, self.work / f"naive-{node}")
-            after = rchar()
-            naive = after - before if before is not None and after is not None else -1
+            naive = self.counters.delta(before, self.counters.snapshot())[1]
         idle_barrier(self.comm)
         naives = self.comm.gather(naive, root=0)
         if self.rank != 0:
@@ -642,16 +587,6 @@ def _sizes(args: argparse.Namespace, quick: bool) -> dict[str, int]:
         if getattr(args, name, None) is not None:
             sizes[name] = getattr(args, name)
     return sizes
-
-
-def _record_in_json(info: dict[str, Any]) -> None:
-    """Add ``info`` to the ``machine`` block the harness writes (it has no other hook)."""
-    original = bench.machine_info
-
-    def machine_info(comm) -> dict[str, Any]:
-        return {**original(comm), "caches_dropped": info["caches_dropped"], "stage": info}
-
-    bench.machine_info = machine_info
 
 
 @suite("stage", "stage-in PFS -> burst buffer: bbio vs cp, rsync, tar and raw limits", _arguments)
@@ -691,12 +626,10 @@ def run(ctx: BenchContext) -> None:
         else:
             ctx.log("one rank: the replicate comparison (2 virtual nodes) is skipped")
         if ctx.rank == 0:
-            if args.drop_caches and not all(bench_run.drops):
-                ctx.log("could not drop the page cache (needs root): reads may be warm")
-            _record_in_json(
+            bench.record_machine(
+                ctx,
+                "stage",
                 {
-                    "caches_dropped": bool(bench_run.drops) and all(bench_run.drops),
-                    "drop_caches_requested": bool(args.drop_caches),
                     "pfs": str(pfs),
                     "pfs_fstype": fs_type(pfs),
                     "bb": str(work),
@@ -708,7 +641,9 @@ def run(ctx: BenchContext) -> None:
                     "skipped_baselines": bench_run.missing,
                     "trees": trees.status,
                     "replicate_check": bench_run.replicate_check,
-                }
+                },
+                drops=bench_run.drops,
+                drop_requested=bool(args.drop_caches),
             )
         bench_run.free()
         comm.Barrier()

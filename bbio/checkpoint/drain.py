@@ -21,7 +21,8 @@ node's record (size, CRC32C) on the PFS and on the BB; then, if every node's
 record is there, take the commit lock, write ``global.h5`` (virtual datasets
 over the node files) and ``manifest.json`` last, and apply PFS retention;
 finally trim this node's BB copies beyond ``keep_bb`` that are committed
-(again every second while idle, as other nodes commit).  Failures are
+(again every second while idle, until none is left waiting for other nodes'
+commits; the PFS is read only when copies are over the limit).  Failures are
 retried with exponential backoff, and reported in ``status.json``.
 """
 
@@ -329,7 +330,7 @@ def _remove_tree(path: Path) -> None:
 # ------------------------------------------------------------------ the loop
 
 
-def trim_bb(bb_ckpt_dir: Path, node: int, keep: int, pfs_ckpt_dir: Path, journal: Path) -> None:
+def trim_bb(bb_ckpt_dir: Path, node: int, keep: int, pfs_ckpt_dir: Path, journal: Path) -> int:
     """Delete ``node``'s oldest BB copies beyond the ``keep`` newest, once safe.
 
     A copy goes only when this node's drain has copied it to the PFS (its BB
@@ -338,7 +339,8 @@ def trim_bb(bb_ckpt_dir: Path, node: int, keep: int, pfs_ckpt_dir: Path, journal
     only complete one; retention may already have dropped the step itself).  A
     copy just written, or one still draining, is never touched.  Not
     collective: the node's drain calls it after each task, and a save calls it
-    when the burst buffer is short of room.
+    when the burst buffer is short of room.  The PFS is looked at only when
+    there are copies beyond ``keep``.  Returns how many are left beyond it.
     """
     copies = sorted(
         step
@@ -346,13 +348,18 @@ def trim_bb(bb_ckpt_dir: Path, node: int, keep: int, pfs_ckpt_dir: Path, journal
         if (step := layout.parse_step(entry.name)) is not None
         and (entry / layout.node_record_name(node)).exists()
     )
+    surplus = copies[: max(len(copies) - keep, 0)]
+    if not surplus:
+        return 0
     queued = {t.step for t in pending(journal)}  # read after the listing
     committed = committed_steps(pfs_ckpt_dir)
-    for step in copies[: max(len(copies) - keep, 0)]:
+    left = 0
+    for step in surplus:
         step_dir = bb_ckpt_dir / layout.step_dirname(step)
         record = files.read_json(step_dir / layout.node_record_name(node)) or {}
         drained = record.get("crc32c") is not None
         if not drained or step in queued or not any(done >= step for done in committed):
+            left += 1
             continue
         for stale in (layout.node_record_name(node), layout.node_filename(node)):
             try:
@@ -363,20 +370,25 @@ def trim_bb(bb_ckpt_dir: Path, node: int, keep: int, pfs_ckpt_dir: Path, journal
                 ) from None
         with contextlib.suppress(OSError):
             step_dir.rmdir()
+    return left
 
 
-def _trim_after(journal: Path, task: Task) -> None:
-    """BB retention for ``task``'s node and checkpointer (tolerates a vanished directory)."""
+def _trim_after(journal: Path, task: Task) -> bool:
+    """BB retention for ``task``'s node and checkpointer; True if copies are left to trim
+    later (tolerates a vanished directory)."""
     bb_ckpt_dir, pfs_ckpt_dir = Path(task.bb_step_dir).parent, Path(task.pfs_step_dir).parent
-    with contextlib.suppress(OSError, BBIOError):
-        trim_bb(bb_ckpt_dir, task.node, task.keep_bb, pfs_ckpt_dir, journal)
+    try:
+        return trim_bb(bb_ckpt_dir, task.node, task.keep_bb, pfs_ckpt_dir, journal) > 0
+    except (OSError, BBIOError):
+        return True
 
 
-def _process(journal: Path, task: Task) -> None:
+def _process(journal: Path, task: Task) -> bool:
+    """Drain ``task``; True if BB copies are left to trim once other nodes commit."""
     copy_node_file(task)
     try_commit(Path(task.pfs_step_dir), task.nodes, task.keep_pfs)
     task_path(journal, task.step).unlink(missing_ok=True)
-    _trim_after(journal, task)
+    return _trim_after(journal, task)
 
 
 def _parent_alive(pid: int | None) -> bool:
@@ -414,18 +426,19 @@ def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) 
                 return 1
             time.sleep(0.2)
     retries, backoff = 0, 1.0
-    last: Task | None = None  # the last task drained: whose BB copies to trim when idle
+    untrimmed: Task | None = None  # the last task drained, while copies wait to be trimmed
     trimmed_at = 0.0
     _write_status(journal, state="idle", error=None, retries=0)
     while True:
         tasks = pending(journal)
         if not tasks:
-            if last is not None and time.monotonic() - trimmed_at > IDLE_TRIM_SECONDS:
-                _trim_after(journal, last)  # other nodes may have committed since
+            if untrimmed is not None and time.monotonic() - trimmed_at > IDLE_TRIM_SECONDS:
+                if not _trim_after(journal, untrimmed):  # other nodes may have committed since
+                    untrimmed = None
                 trimmed_at = time.monotonic()
             if finish or (journal / STOP).exists() or not _parent_alive(parent):
-                if last is not None:
-                    _trim_after(journal, last)
+                if untrimmed is not None:
+                    _trim_after(journal, untrimmed)
                 _write_status(journal, state="idle", error=None, retries=0)
                 return 0
             time.sleep(POLL_SECONDS)
@@ -433,8 +446,8 @@ def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) 
         task = tasks[0]
         try:
             _write_status(journal, state="copying", step=task.step, error=None, retries=retries)
-            _process(journal, task)
-            last, trimmed_at = task, time.monotonic()
+            untrimmed = task if _process(journal, task) else None
+            trimmed_at = time.monotonic()
             retries, backoff = 0, 1.0
         except (BBIOError, OSError) as exc:
             retries += 1

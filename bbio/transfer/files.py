@@ -18,8 +18,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from bbio import _native
 from bbio.errors import from_oserror
 from bbio.transfer.manifest import META_DIR, Manifest
@@ -281,20 +279,6 @@ def checksum_fd(fd: int, path: Path) -> tuple[int, int]:
             size += n
     except OSError as exc:
         raise _fail(exc, "read for verification", path) from None
-
-
-def checksum_range(path: Path, offset: int, length: int) -> tuple[int, int]:
-    """(bytes read, CRC32C) of ``length`` bytes of ``path`` at ``offset``."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise _fail(exc, "open for verification", path) from None
-    try:
-        out = np.empty(length, dtype=np.uint8)
-        got = int(_native.pread_batch([fd], [offset], [length], out, paths=[path])[0])
-        return got, _native.crc32c(out[:got])
-    finally:
-        os.close(fd)
 
 
 def free_bytes(path: Path) -> int:
