@@ -25,6 +25,7 @@ import numpy as np
 
 from bbio.checkpoint import drain, layout
 from bbio.checkpoint import restore as reader
+from bbio.checkpoint.globalview import describe_node_file
 from bbio.checkpoint.writer import describe, file_attrs, global_shapes, write_node_file
 from bbio.config import Config, load_config
 from bbio.errors import BBIOError, BBIOTimeoutError, NotFoundError, UsageError
@@ -35,7 +36,7 @@ from bbio.transfer import files
 log = logging.getLogger("bbio")
 
 FILE_OVERHEAD_BYTES = 1 << 20  # HDF5 metadata, per node file, generously
-MAX_WAIT_POLL_SECONDS = 0.05  # the BB journal is asked first: cheap; the PFS only at the end
+MAX_WAIT_POLL_SECONDS = 0.01  # the BB journal is asked: cheap; the PFS only with no drain running
 
 
 @dataclasses.dataclass
@@ -57,13 +58,16 @@ class SaveHandle:
     def done(self) -> bool:
         """True once the checkpoint is committed on the PFS (or was skipped).
 
-        Looks at this node's journal (on the BB) first, and at the PFS only once
-        this node's file is drained, so that polling ranks spare the PFS.
+        Asks this node's journal (on the BB), where the node's drain reports
+        commits: one process per node polls the PFS, not every waiting rank.
+        Reads the PFS manifest only when no drain is running to tell.
         """
         if self.skipped:
             return True
-        if not self.direct and drain.task_path(self.journal, self.step).exists():
-            return False
+        if not self.direct:
+            known = drain.step_committed(self.journal, self.step)
+            if known is not None:
+                return known
         return drain.read_manifest(self.pfs_step_dir) is not None
 
     def wait(self, timeout: float | None = None) -> None:
@@ -216,8 +220,8 @@ class Checkpointer:
                     self._start_drain()
         if direct:
             with agreed(comm, f"checkpoint {self.name} step {step}: committing on the PFS"):
-                if self.rank == 0:
-                    drain.try_commit(step_dir, self.nodes, self.keep_pfs)
+                if self.rank == 0 and drain.try_commit(step_dir, self.nodes):
+                    drain.apply_pfs_retention(step_dir.parent, self.keep_pfs)
             return dataclasses.replace(handle, direct=True)
         return handle
 
@@ -240,9 +244,18 @@ class Checkpointer:
     def _record(self, step_dir: Path, step: int, size: int, direct: bool) -> None:
         """The node leader's bookkeeping once its node file is durable."""
         record_path = step_dir / layout.node_record_name(self.node)
-        if direct:  # on the PFS already: record its CRC32C for the commit
-            size, crc = files.checksum_file(step_dir / layout.node_filename(self.node))
-            files.write_json_atomic(record_path, {"size": size, "crc32c": crc, "node": self.node})
+        if direct:  # on the PFS already: record its CRC32C and contents for the commit
+            node_file = step_dir / layout.node_filename(self.node)
+            size, crc = files.checksum_file(node_file)
+            files.write_json_atomic(
+                record_path,
+                {
+                    "size": size,
+                    "crc32c": crc,
+                    "node": self.node,
+                    "contents": describe_node_file(node_file, self.node),
+                },
+            )
             return
         files.write_json_atomic(
             record_path, {"size": size, "crc32c": None, "node": self.node, "complete": True}

@@ -16,14 +16,19 @@ journal after a crash is idempotent.
 For each task: copy ``node-N.h5`` (native copy, CRC32C in the same pass) to
 the PFS under a temporary name, fsync, rename; read it back and compare
 (``ckpt_verify``: through the client cache, during the fsync; or from the
-device, after it, cached pages dropped); write the
-node's record (size, CRC32C) on the PFS and on the BB; then, if every node's
-record is there, take the commit lock, write ``global.h5`` (virtual datasets
-over the node files) and ``manifest.json`` last, and apply PFS retention;
-finally trim this node's BB copies beyond ``keep_bb`` that are committed
-(again every second while idle, until none is left waiting for other nodes'
-commits; the PFS is read only when copies are over the limit).  Failures are
-retried with exponential backoff, and reported in ``status.json``.
+device, after it, cached pages dropped); write the node's record on the PFS
+(size, CRC32C, and what the file holds, read from the BB copy) and on the BB;
+then, if every node's record is there, take the commit lock, write
+``global.h5`` (virtual datasets over the node files, built in memory from the
+records and written at once) and ``manifest.json`` last.  The drain reports the
+commit in ``status.json`` (``committed``), and while other nodes have still to
+commit a step it drained (``awaiting``) it looks for their manifest, from 5 ms
+up to every 0.5 s: waiting ranks read the status, so one process per node, not
+every rank, polls the PFS.  Then PFS retention, and this node's BB copies
+beyond ``keep_bb`` that are committed are trimmed (again every second while
+idle, until none is left waiting for other nodes' commits; the PFS is read
+only when copies are over the limit).  Failures are retried with exponential
+backoff, and reported in ``status.json``.
 """
 
 from __future__ import annotations
@@ -37,13 +42,14 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from bbio import _native
 from bbio.checkpoint import layout
+from bbio.checkpoint.globalview import describe_node_file, merge_descriptions, write_global_view
 from bbio.errors import BBIOError, IntegrityError, from_oserror
 from bbio.transfer import files
 
@@ -57,6 +63,9 @@ STALE_LOCK_SECONDS = 120.0
 MAX_BACKOFF_SECONDS = 30.0
 IDLE_TRIM_SECONDS = 1.0
 POLL_SECONDS = 0.02  # the journal is on the BB: a listing costs microseconds
+AWAIT_POLL_SECONDS = (0.005, 0.5)  # first and longest pause between looks for other nodes' commits
+RECENT_COMMITS = 64  # steps the status remembers as committed
+STOPPED = "stopped"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +139,8 @@ def commit_ready(journal: Path) -> list[int]:
         for entry in sorted(ckpt_dir.iterdir()):
             step = layout.parse_step(entry.name)
             uncommitted = step is not None and read_manifest(entry) is None
-            if uncommitted and try_commit(entry, target["nodes"], target["keep_pfs"]):
+            if uncommitted and try_commit(entry, target["nodes"]):
+                apply_pfs_retention(ckpt_dir, target["keep_pfs"])
                 done.append(step)
     return done
 
@@ -173,6 +183,7 @@ def copy_node_file(task: Task) -> dict[str, int]:
         and task.target.exists()
     ):
         return existing
+    contents = describe_node_file(task.source, task.node)  # from the BB: no PFS reads to commit
     Path(task.pfs_step_dir).mkdir(parents=True, exist_ok=True)
     temp = files.temp_path(task.target)
     result = _native.copy_file(task.source, temp, checksum=True)
@@ -189,7 +200,7 @@ def copy_node_file(task: Task) -> dict[str, int]:
             hint="the PFS may be failing; the drain will copy it again",
         )
     record = {"size": size, "crc32c": crc, "node": task.node}
-    files.write_json_atomic(record_path, record)
+    files.write_json_atomic(record_path, {**record, "contents": contents})
     files.write_json_atomic(bb_record_path, {**bb_record, **record, "complete": True})
     return record
 
@@ -248,10 +259,11 @@ def _take_commit_lock(step_dir: Path) -> Path | None:
     return None
 
 
-def try_commit(step_dir: Path, nodes: int, keep_pfs: int) -> bool:
+def try_commit(step_dir: Path, nodes: int) -> bool:
     """Commit the checkpoint in ``step_dir`` if every node's file is there.  Idempotent.
 
-    Returns True if it is committed (now or before).
+    Returns True if it is committed (now or before).  PFS retention is the
+    caller's next step (:func:`apply_pfs_retention`), once it has said so.
     """
     if read_manifest(step_dir) is not None:
         return True
@@ -264,11 +276,8 @@ def try_commit(step_dir: Path, nodes: int, keep_pfs: int) -> bool:
     try:
         if read_manifest(step_dir) is not None:
             return True
-        from bbio.checkpoint.globalview import describe_node_files, write_global_view
-
-        meta = describe_node_files(step_dir, nodes)
-        write_global_view(step_dir / GLOBAL_VIEW, meta)
-        view_size, view_crc = files.checksum_file(step_dir / GLOBAL_VIEW)
+        meta = merge_descriptions([r["contents"] for r in records], step_dir)
+        view_size, view_crc = write_global_view(step_dir / GLOBAL_VIEW, meta)
         manifest = {
             "format": MANIFEST_FORMAT,
             "step": meta["step"],
@@ -280,14 +289,19 @@ def try_commit(step_dir: Path, nodes: int, keep_pfs: int) -> bool:
             "global_shapes": meta["global_shapes"],
             "attrs": meta["user_attrs"],
             "bbio": meta["bbio"],
-            "files": [{"path": layout.node_filename(n), **records[n]} for n in range(nodes)]
+            "files": [
+                {"path": layout.node_filename(n), **_file_entry(records[n])} for n in range(nodes)
+            ]
             + [{"path": GLOBAL_VIEW, "size": view_size, "crc32c": view_crc}],
         }
         files.write_json_atomic(manifest_path(step_dir), manifest)
     finally:
         lock.unlink(missing_ok=True)
-    apply_pfs_retention(step_dir.parent, keep_pfs)
     return True
+
+
+def _file_entry(record: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in record.items() if k != "contents"}
 
 
 def committed_steps(ckpt_dir: Path) -> list[int]:
@@ -383,15 +397,47 @@ def _trim_after(journal: Path, task: Task) -> bool:
         return True
 
 
-def _process(journal: Path, task: Task) -> bool:
-    """Drain ``task``; True if BB copies are left to trim once other nodes commit."""
+def _process(journal: Path, task: Task, settle: Callable[[Task, bool], None]) -> bool:
+    """Drain ``task``; True if BB copies are left to trim once other nodes commit.
+
+    ``settle(task, committed)`` runs before the task leaves the journal, so that
+    :func:`step_committed` always finds the step in the journal or the status.
+    """
     copy_node_file(task)
-    try_commit(Path(task.pfs_step_dir), task.nodes, task.keep_pfs)
+    committed = try_commit(Path(task.pfs_step_dir), task.nodes)
+    settle(task, committed)
     task_path(journal, task.step).unlink(missing_ok=True)
+    if committed:
+        apply_pfs_retention(Path(task.pfs_step_dir).parent, task.keep_pfs)
     return _trim_after(journal, task)
 
 
-def _parent_alive(pid: int | None) -> bool:
+def _is_committed(task: Task) -> bool:
+    try:
+        return read_manifest(Path(task.pfs_step_dir)) is not None
+    except (OSError, BBIOError):
+        return False
+
+
+def step_committed(journal: Path, step: int) -> bool | None:
+    """What this node's drain knows of ``step``: committed (True), not yet (False), or None.
+
+    None when the step is not in the journal and no drain is running to tell:
+    only the PFS manifest can say then.  Cheap (the journal is on the BB), so
+    every waiting rank asks here and only the drain looks at the PFS.
+    """
+    if task_path(journal, step).exists():
+        return False
+    status = read_status(journal)
+    if step in status.get("committed", ()):
+        return True
+    awaited = step in status.get("awaiting", ())
+    if awaited and status.get("state") != STOPPED and _process_alive(status.get("pid")):
+        return False
+    return None
+
+
+def _process_alive(pid: int | None) -> bool:
     if not pid:
         return False
     try:
@@ -428,33 +474,67 @@ def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) 
     retries, backoff = 0, 1.0
     untrimmed: Task | None = None  # the last task drained, while copies wait to be trimmed
     trimmed_at = 0.0
-    _write_status(journal, state="idle", error=None, retries=0)
+    awaiting: dict[int, Task] = {}  # drained here, waiting for other nodes to commit
+    committed: list[int] = []  # recently, as far as this drain has seen
+    looked_at, look_pause = 0.0, AWAIT_POLL_SECONDS[0]
+
+    def report(**status: Any) -> None:
+        _write_status(
+            journal,
+            awaiting=sorted(awaiting),
+            committed=committed[-RECENT_COMMITS:],
+            **{"state": "idle", "error": None, "retries": 0, **status},
+        )
+
+    def settle(task: Task, done: bool) -> None:
+        if task.step in committed:  # saved again since
+            committed.remove(task.step)
+        if done:
+            committed.append(task.step)
+        else:
+            awaiting[task.step] = task
+        report()
+
+    report()
     while True:
         tasks = pending(journal)
         if not tasks:
-            if untrimmed is not None and time.monotonic() - trimmed_at > IDLE_TRIM_SECONDS:
+            now = time.monotonic()
+            if awaiting and now - looked_at > look_pause:  # the one poller of the PFS per node
+                seen = [step for step, task in awaiting.items() if _is_committed(task)]
+                for step in seen:
+                    del awaiting[step]
+                    committed.append(step)
+                longer = min(look_pause * 1.5, AWAIT_POLL_SECONDS[1])
+                look_pause = AWAIT_POLL_SECONDS[0] if seen else longer
+                looked_at = now
+                if seen:
+                    report()
+            if untrimmed is not None and now - trimmed_at > IDLE_TRIM_SECONDS:
                 if not _trim_after(journal, untrimmed):  # other nodes may have committed since
                     untrimmed = None
-                trimmed_at = time.monotonic()
-            if finish or (journal / STOP).exists() or not _parent_alive(parent):
+                trimmed_at = now
+            if finish or (journal / STOP).exists() or not _process_alive(parent):
                 if untrimmed is not None:
                     _trim_after(journal, untrimmed)
-                _write_status(journal, state="idle", error=None, retries=0)
+                report(state=STOPPED)
                 return 0
-            time.sleep(POLL_SECONDS)
+            next_look = looked_at + look_pause - time.monotonic() if awaiting else POLL_SECONDS
+            time.sleep(min(POLL_SECONDS, max(next_look, 0.001)))
             continue
         task = tasks[0]
         try:
-            _write_status(journal, state="copying", step=task.step, error=None, retries=retries)
-            untrimmed = task if _process(journal, task) else None
+            report(state="copying", step=task.step, retries=retries)
+            untrimmed = task if _process(journal, task, settle) else None
             trimmed_at = time.monotonic()
+            looked_at, look_pause = trimmed_at, AWAIT_POLL_SECONDS[0]
             retries, backoff = 0, 1.0
         except (BBIOError, OSError) as exc:
             retries += 1
             message = str(
                 exc if isinstance(exc, BBIOError) else from_oserror(exc, "drain", task.target)
             )
-            _write_status(journal, state="retrying", step=task.step, error=message, retries=retries)
+            report(state="retrying", step=task.step, error=message, retries=retries)
             print(f"bbio drain: {message} (retry {retries} in {backoff:.0f} s)", file=sys.stderr)
             if deadline is not None and time.monotonic() + backoff > deadline:
                 return 1

@@ -4,101 +4,152 @@
 (HDF5 virtual datasets, sources named relative to it), so plain h5py or
 ``h5dump`` reads the whole state without bbio: a global array under its key,
 or, for per-rank state, ``/<key>/r00007`` for rank 7.
+
+Building it needs only what each node file holds, not its bytes: each node's
+drain describes its file from the burst-buffer copy (:func:`describe_node_file`)
+and puts that description in the node's record on the PFS.  The committer
+merges the records (:func:`merge_descriptions`), builds the file in memory and
+writes it with one write (:func:`write_global_view`): no HDF5 reads or small
+writes on the PFS.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from bbio import _native
 from bbio.checkpoint import layout
 from bbio.errors import IntegrityError
 from bbio.transfer import files
 
 
-def describe_node_files(step_dir: Path, nodes: int) -> dict[str, Any]:
-    """What the node files of a checkpoint hold: attributes and every rank's datasets."""
+def describe_node_file(path: Path, node: int) -> dict[str, Any]:
+    """Not collective: the root attributes and every rank's datasets of one node file.
+
+    Datasets holding no mapped element (scalars, empty arrays) carry their
+    bytes (hex), so the view can hold a copy of them.
+    """
     import h5py
 
-    meta: dict[str, Any] = {"datasets": [], "rank_nodes": {}}
-    for node in range(nodes):
-        path = step_dir / layout.node_filename(node)
-        with h5py.File(path, "r") as f:
-            attrs = dict(f.attrs)
-            if node == 0:
-                meta.update(
-                    step=int(attrs["step"]),
-                    time=float(attrs["time"]),
-                    ranks=int(attrs["ranks"]),
-                    layout=str(attrs["layout"]),
-                    global_shapes=json.loads(attrs["global_shapes"]),
-                    user_attrs=json.loads(attrs["user_attrs"]),
-                    bbio=str(attrs["bbio"]),
-                )
-            elif int(attrs["step"]) != meta["step"]:
-                raise IntegrityError(
-                    f"node file is of step {int(attrs['step'])}, expected {meta['step']}", path=path
-                )
+    datasets: list[dict[str, Any]] = []
+    with h5py.File(path, "r") as f:
+        attrs = dict(f.attrs)
 
-            def visit(name: str, obj, node=node) -> None:
-                if isinstance(obj, h5py.Dataset):
-                    key, _, rank = name.rpartition("/r")
-                    meta["datasets"].append(
-                        {
-                            "node": node,
-                            "key": key,
-                            "rank": int(rank),
-                            "shape": list(obj.shape),
-                            "dtype": obj.dtype.str,
-                            "start": [int(s) for s in obj.attrs.get("start", [])],
-                            "crc32c": int(obj.attrs["crc32c"]),
-                        }
-                    )
-                    meta["rank_nodes"][int(rank)] = node
+        def visit(name: str, obj) -> None:
+            if isinstance(obj, h5py.Dataset):
+                key, _, rank = name.rpartition("/r")
+                entry = {
+                    "node": node,
+                    "key": key,
+                    "rank": int(rank),
+                    "shape": list(obj.shape),
+                    "dtype": obj.dtype.str,
+                    "start": [int(s) for s in obj.attrs.get("start", [])],
+                    "crc32c": int(obj.attrs["crc32c"]),
+                }
+                if not all(obj.shape):
+                    entry["value"] = np.asarray(obj[()]).tobytes().hex()
+                datasets.append(entry)
 
-            f.visititems(visit)
-    meta["rank_nodes"] = [meta["rank_nodes"].get(r) for r in range(meta["ranks"])]
+        f.visititems(visit)
+    return {
+        "node": node,
+        "step": int(attrs["step"]),
+        "time": float(attrs["time"]),
+        "ranks": int(attrs["ranks"]),
+        "layout": str(attrs["layout"]),
+        "global_shapes": json.loads(attrs["global_shapes"]),
+        "user_attrs": json.loads(attrs["user_attrs"]),
+        "bbio": str(attrs["bbio"]),
+        "datasets": datasets,
+    }
+
+
+def merge_descriptions(descriptions: list[dict[str, Any]], where: Path) -> dict[str, Any]:
+    """The whole checkpoint from its node files' descriptions (node order).
+
+    Raises :class:`IntegrityError` (naming ``where``) if the nodes' files are
+    of different steps.
+    """
+    first = descriptions[0]
+    for description in descriptions[1:]:
+        if description["step"] != first["step"]:
+            raise IntegrityError(
+                f"node {description['node']}'s file is of step {description['step']}, "
+                f"node {first['node']}'s of step {first['step']}",
+                path=where,
+                hint="a stale record is left from an earlier save of this step; save it again",
+            )
+    rank_nodes: dict[int, int] = {}
+    datasets = []
+    for description in descriptions:
+        for entry in description["datasets"]:
+            rank_nodes[entry["rank"]] = entry["node"]
+            datasets.append(entry)
+    meta = {k: first[k] for k in ("step", "time", "ranks", "layout", "global_shapes", "bbio")}
+    meta["user_attrs"] = first["user_attrs"]
+    meta["datasets"] = datasets
+    meta["rank_nodes"] = [rank_nodes.get(r) for r in range(first["ranks"])]
     return meta
 
 
-def write_global_view(path: Path, meta: dict[str, Any]) -> None:
-    """Write ``global.h5`` (temporary name, fsync, rename) from :func:`describe_node_files`."""
+def global_view_image(meta: dict[str, Any]) -> bytes:
+    """The bytes of ``global.h5`` for the merged description ``meta``, built in memory."""
     import h5py
 
-    temp = files.temp_path(path)
-    with h5py.File(temp, "w") as f:
+    with h5py.File(f"global-view-{id(meta)}.h5", "w", driver="core", backing_store=False) as f:
         for name in ("step", "time", "ranks", "layout", "bbio"):
             f.attrs[name] = meta[name]
         f.attrs["user_attrs"] = json.dumps(meta["user_attrs"])
         if meta["layout"] == layout.GLOBAL:
-            by_key: dict[str, list[dict]] = {}
-            for d in meta["datasets"]:
-                by_key.setdefault(d["key"], []).append(d)
-            for key, parts in by_key.items():
-                shape = tuple(meta["global_shapes"][key])
-                vlayout = h5py.VirtualLayout(shape=shape, dtype=parts[0]["dtype"])
-                for d in parts:
-                    source = h5py.VirtualSource(
-                        layout.node_filename(d["node"]),
-                        layout.rank_dataset(key, d["rank"]),
-                        shape=tuple(d["shape"]),
-                    )
-                    box = (tuple(d["start"]), tuple(d["shape"]))
-                    vlayout[layout.local_slices(box, ((0,) * len(shape), shape))] = source
-                f.create_virtual_dataset(key, vlayout)
+            _map_global_arrays(f, meta)
         else:
-            for d in meta["datasets"]:
-                name = layout.rank_dataset(d["key"], d["rank"])
-                shape = tuple(d["shape"])
-                if not all(shape):  # scalars and empty arrays: copied, not mapped
-                    with h5py.File(path.parent / layout.node_filename(d["node"]), "r") as node:
-                        f.create_dataset(name, data=node[name][()])
-                    continue
-                vlayout = h5py.VirtualLayout(shape=shape, dtype=d["dtype"])
-                vlayout[...] = h5py.VirtualSource(
-                    layout.node_filename(d["node"]), name, shape=shape
-                )
-                f.create_virtual_dataset(name, vlayout)
-    files.commit([files.Commit(path, 0o644, time.time_ns())])
+            _map_rank_arrays(f, meta)
+        f.flush()
+        return f.id.get_file_image()
+
+
+def _map_global_arrays(f, meta: dict[str, Any]) -> None:
+    import h5py
+
+    by_key: dict[str, list[dict]] = {}
+    for d in meta["datasets"]:
+        by_key.setdefault(d["key"], []).append(d)
+    for key, parts in by_key.items():
+        shape = tuple(meta["global_shapes"][key])
+        vlayout = h5py.VirtualLayout(shape=shape, dtype=parts[0]["dtype"])
+        for d in parts:
+            source = h5py.VirtualSource(
+                layout.node_filename(d["node"]),
+                layout.rank_dataset(key, d["rank"]),
+                shape=tuple(d["shape"]),
+            )
+            box = (tuple(d["start"]), tuple(d["shape"]))
+            vlayout[layout.local_slices(box, ((0,) * len(shape), shape))] = source
+        f.create_virtual_dataset(key, vlayout)
+
+
+def _map_rank_arrays(f, meta: dict[str, Any]) -> None:
+    import h5py
+
+    for d in meta["datasets"]:
+        name = layout.rank_dataset(d["key"], d["rank"])
+        shape = tuple(d["shape"])
+        if not all(shape):  # scalars and empty arrays: copied, not mapped
+            value = np.frombuffer(bytes.fromhex(d["value"]), dtype=d["dtype"]).reshape(shape)
+            f.create_dataset(name, data=value)
+            continue
+        vlayout = h5py.VirtualLayout(shape=shape, dtype=d["dtype"])
+        vlayout[...] = h5py.VirtualSource(layout.node_filename(d["node"]), name, shape=shape)
+        f.create_virtual_dataset(name, vlayout)
+
+
+def write_global_view(path: Path, meta: dict[str, Any]) -> tuple[int, int]:
+    """Write ``global.h5`` at ``path`` (temporary name, fsync, rename): its (size, CRC32C)."""
+    image = global_view_image(meta)
+    files.write_bytes_atomic(path, image)
+    return len(image), _native.crc32c(np.frombuffer(image, dtype=np.uint8))

@@ -197,9 +197,16 @@ def fsync_dirs(directories: Iterable[Path]) -> None:
 
 def write_json_atomic(path: Path, document: Any) -> None:
     """Write ``document`` as JSON to ``path`` durably: temp name, fsync, rename, fsync dir."""
+    write_bytes_atomic(path, json.dumps(document, separators=(",", ":")).encode())
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` durably, in one write: temp name, fsync, rename, fsync dir.
+
+    The temporary name carries the process ID, so concurrent writers never share one.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    data = json.dumps(document, separators=(",", ":")).encode()
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
