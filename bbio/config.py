@@ -108,6 +108,11 @@ class Config:
         "extra cold read).",
         choices=("cache", "device"),
     )
+    stage_round_bytes: int = _setting(
+        4 << 30,
+        "Staging: copy and commit the files in rounds of about this many bytes (each file "
+        "counts 256 KiB more); a run killed midway keeps every round it finished.",
+    )
     replicate_round_bytes: int = _setting(
         64 << 20,
         "Replicate mode: bytes each rank reads from the source per round before the "

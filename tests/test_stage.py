@@ -144,19 +144,21 @@ def test_leftovers_of_an_interrupted_run_are_removed(comm, shared_tmp, tree):
     assert files_under(shared_tmp / "bb" / "1" / "l") == contents
 
 
-def test_shard_puts_each_file_on_one_node(comm, shared_tmp, tree):
+@pytest.mark.parametrize("round_bytes", [4 << 30, 1 << 20])  # one round; several
+def test_shard_puts_each_file_on_one_node(comm, shared_tmp, tree, round_bytes):
     src, contents = tree
-    config = two_nodes(comm, shared_tmp)
+    config = two_nodes(comm, shared_tmp, stage_round_bytes=round_bytes)
+    name = f"s{round_bytes}"
     summary = bbio.stage_in(
-        comm, src, shared_tmp / "bb" / "{node}" / "s", mode="shard", verify=True, config=config
+        comm, src, shared_tmp / "bb" / "{node}" / name, mode="shard", verify=True, config=config
     )
     assert summary.verified
-    on_node = [files_under(shared_tmp / "bb" / str(n) / "s") for n in (0, 1)]
+    on_node = [files_under(shared_tmp / "bb" / str(n) / name) for n in (0, 1)]
     assert not set(on_node[0]) & set(on_node[1])
     assert {**on_node[0], **on_node[1]} == contents
     assert on_node[0] and on_node[1]
     for node in (0, 1):
-        manifest = read_manifest(shared_tmp / "bb" / str(node) / "s")
+        manifest = read_manifest(shared_tmp / "bb" / str(node) / name)
         holders = {e.path: e.node for e in manifest.entries if e.kind == "file"}
         assert set(holders) == set(contents)
         assert {p for p, n in holders.items() if n == node} == set(on_node[node])

@@ -66,6 +66,17 @@ def test_group_by_size():
     assert plan.group_by_size([], 10, lambda s: s) == []
 
 
+def test_commit_rounds_cover_every_file_once_in_path_order():
+    cost = plan.FILE_COST_BYTES
+    sizes = {f"f{i:02d}": 3 * cost for i in range(10)} | {"big": 50 * cost, "empty": 0}
+    rounds = plan.commit_rounds(dict(reversed(sizes.items())), 8 * cost)
+    assert [p for r in rounds for p in r] == sorted(sizes)  # every file once, in path order
+    assert ["big"] in rounds  # larger than a round: a round of its own
+    assert all(sum(sizes[p] + cost for p in r) <= 8 * cost for r in rounds if r != ["big"])
+    assert len(rounds) == 1 + 1 + 5  # big; empty + f00; f01..f08 in pairs; f09
+    assert plan.commit_rounds({}, 8 * cost) == []
+
+
 def test_assign_nodes_balances_bytes_and_is_deterministic():
     files = [f(f"s{i}", (i % 10) * 1000 + 1) for i in range(200)]
     owner = plan.assign_nodes(files, 3)

@@ -113,6 +113,16 @@ def group_by_size(items: Sequence[T], limit: int, size: Callable[[T], int]) -> l
     return groups
 
 
+def commit_rounds(sizes: Mapping[str, int], round_bytes: int) -> list[list[str]]:
+    """The paths of ``sizes`` ({path: bytes}) in rounds of about ``round_bytes``, in path order.
+
+    A file counts for its bytes plus :data:`FILE_COST_BYTES`; a file larger than
+    a round is a round of its own.  Every node computes the same rounds from
+    the union of all nodes' files, so the rounds' collectives match.
+    """
+    return group_by_size(sorted(sizes), round_bytes, lambda path: sizes[path] + FILE_COST_BYTES)
+
+
 def assign_nodes(files: Iterable[Entry], nodes: int) -> dict[str, int]:
     """Shard mode: give each file to one node, balancing bytes (largest files first)."""
     heap = [(0, node) for node in range(nodes)]

@@ -244,6 +244,47 @@ def _copy_loop(
     skip_unreadable: bool,
     skipped: list[Skipped],
 ) -> _Copied:
+    """Collective over ``comm``: copy and commit this node's ``todo`` files, in rounds.
+
+    Every node takes the same rounds (:func:`plan.commit_rounds` of all nodes'
+    files), each copied and committed before the next starts, so a run killed
+    midway keeps every round it finished.
+    """
+    sizes = allgather_dict(comm, {e.path: e.size for e in todo})
+    mine = {e.path: e for e in todo}
+    copied = _Copied()
+    for paths in plan.commit_rounds(sizes, config.stage_round_bytes):
+        part = _copy_round(
+            comm,
+            topo,
+            config,
+            label,
+            src_root,
+            dst_root,
+            [mine[p] for p in paths if p in mine],
+            broadcast,
+            skip_unreadable,
+            skipped,
+        )
+        copied.crcs.update(part.crcs)
+        copied.files += part.files
+        copied.bytes_written += part.bytes_written
+        copied.source_bytes_read += part.source_bytes_read
+    return copied
+
+
+def _copy_round(
+    comm,
+    topo: Topology,
+    config: Config,
+    label: str,
+    src_root: Path,
+    dst_root: Path,
+    todo: list[Entry],
+    broadcast: bool,
+    skip_unreadable: bool,
+    skipped: list[Skipped],
+) -> _Copied:
     """Collective over ``comm``: copy and commit this node's ``todo`` files, retrying changes.
 
     ``broadcast``: replicate across nodes (``src_root`` is shared); otherwise each
