@@ -127,6 +127,21 @@ class Config:
         """``template`` with {job}, {user} and (given a node) {node} replaced."""
         return Path(self._expand(os.fspath(template), node=node))
 
+    def node_dir(self, template: str | os.PathLike, node: int, nodes_on_host: int) -> Path:
+        """``template`` expanded for ``node``: a directory of that node alone.
+
+        ``nodes_on_host`` nodes share this machine (virtual nodes); with more
+        than one, ``template`` must contain {node}, or they would all write
+        into one directory.  Raises ConfigError (the same on every rank) then.
+        """
+        if nodes_on_host > 1 and "{node}" not in os.fspath(template):
+            raise ConfigError(
+                f"{nodes_on_host} virtual nodes (ranks_per_node={self.ranks_per_node}) would "
+                f"share the node directory {os.fspath(template)}",
+                hint="put {node} in it, e.g. /tmp/bb/{node}; each node needs its own",
+            )
+        return self.expand(template, node=node)
+
     def pfs_dir(self) -> Path:
         """The PFS root, or a ConfigError saying how to set it."""
         if not self.pfs_root:

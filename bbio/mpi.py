@@ -47,6 +47,11 @@ class Topology:
     virtual: bool
 
     @property
+    def nodes_on_host(self) -> int:
+        """How many nodes share this machine: all of them when virtual, else 1."""
+        return self.nodes if self.virtual else 1
+
+    @property
     def is_leader(self) -> bool:
         """True on the rank that leads its node (node rank 0)."""
         return self.node_comm.Get_rank() == 0

@@ -287,6 +287,13 @@ def test_resaving_a_step_replaces_it(comm, shared_tmp):
         assert step == 4 and same(arrays, state(40, rank))
 
 
+def test_virtual_nodes_sharing_one_burst_buffer_are_refused(comm, shared_tmp):
+    config = config_for(comm, shared_tmp)
+    with pytest.raises(bbio.ConfigError, match="virtual nodes") as info:
+        bbio.Checkpointer(comm, "shared", bb_root=shared_tmp / "one-bb", config=config)
+    assert comm.allgather(str(info.value)) == [str(info.value)] * comm.Get_size()
+
+
 def test_bad_state_is_the_same_clear_error_everywhere(comm, shared_tmp):
     config = config_for(comm, shared_tmp)
     with bbio.Checkpointer(comm, "bad", config=config) as ckpt:

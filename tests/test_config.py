@@ -44,6 +44,15 @@ def test_placeholders_and_slurm_job_id():
     assert load_config(env={**env, "BBIO_JOB_ID": "override"}).job_id == "override"
 
 
+def test_virtual_nodes_on_one_machine_need_their_own_directories():
+    config = load_config(env={"BBIO_RANKS_PER_NODE": "2"})
+    assert config.node_dir("/bb/{node}/data", 1, nodes_on_host=2) == Path("/bb/1/data")
+    assert config.node_dir("/local/bb", 1, nodes_on_host=1) == Path("/local/bb")  # real hosts
+    with pytest.raises(ConfigError, match=r"2 virtual nodes.*share.*/bb/data") as info:
+        config.node_dir("/bb/data", 0, nodes_on_host=2)
+    assert "{node}" in str(info.value)
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [

@@ -194,10 +194,21 @@ def test_filters_and_an_empty_tree(comm, shared_tmp, tree):
 def test_missing_source_is_the_same_clear_error_on_every_rank(comm, shared_tmp):
     with pytest.raises(bbio.NotFoundError) as info:
         bbio.stage_in(
-            comm, shared_tmp / "nope", shared_tmp / "bb", config=two_nodes(comm, shared_tmp)
+            comm,
+            shared_tmp / "nope",
+            shared_tmp / "bb" / "{node}",
+            config=two_nodes(comm, shared_tmp),
         )
     assert "the source does not exist" in str(info.value)
     assert same_on_all_ranks(comm, str(info.value))
+
+
+def test_virtual_nodes_sharing_one_destination_are_refused_on_every_rank(comm, shared_tmp, tree):
+    src, _ = tree
+    with pytest.raises(bbio.ConfigError, match="virtual nodes") as info:
+        bbio.stage_in(comm, src, shared_tmp / "bb" / "shared", config=two_nodes(comm, shared_tmp))
+    assert same_on_all_ranks(comm, str(info.value))
+    assert not (shared_tmp / "bb" / "shared").exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")

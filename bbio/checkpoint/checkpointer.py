@@ -145,9 +145,8 @@ class Checkpointer:
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.node, self.nodes = self.topo.node, self.topo.nodes
         self.node_ranks = self.topo.node_comm.allgather(self.rank)
-        self.bb_dir = (
-            config.expand(bb_root or config.bb_root, node=self.node) / layout.CKPT_DIR / name
-        )
+        bb_node_dir = config.node_dir(bb_root or config.bb_root, self.node, self.topo.nodes_on_host)
+        self.bb_dir = bb_node_dir / layout.CKPT_DIR / name
         self.pfs_dir = (
             (config.expand(pfs_root) if pfs_root else config.pfs_dir()) / layout.CKPT_DIR / name
         )

@@ -480,11 +480,11 @@ def stage_in(
 
 
 def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreadable, config, start):
+    dst_root = config.node_dir(dst, topo.node, topo.nodes_on_host)
     tree = walk(comm, src, include, exclude)
     problems = check_readable(tree, skip_unreadable, str(src))
     entries = _without(tree.entries, {p.path for p in problems})
     skipped = tree.skipped + problems
-    dst_root = config.expand(dst, node=topo.node)
     holder = (
         plan.assign_nodes([e for e in entries if e.kind == FILE], topo.nodes)
         if mode == "shard"
@@ -642,7 +642,7 @@ def stage_out(
 
 
 def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreadable, config, start):
-    src_root = config.expand(src, node=topo.node)
+    src_root = config.node_dir(src, topo.node, topo.nodes_on_host)
     tree = walk(topo.node_comm, src_root, include, exclude)
     problems: list[Skipped] = []
     with agreed(comm, "stage-out: checking that every source file is readable"):
