@@ -62,6 +62,7 @@ LAYERS = {
         "bbio.bench._read_mpiio",
         "bbio.bench.checkpoint",
         "bbio.bench.plot",
+        "bbio.bench.table",
     },
 }
 MAY_IMPORT = {

@@ -71,3 +71,36 @@ def test_plot_draws_the_chosen_metrics_and_refuses_unknown_ones(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(bbio.UsageError, match="no results for metric"):
         plot_main([str(source), "-o", str(png), "--metrics", "nope"])
+
+
+def test_table_prints_medians_and_target_ratios(tmp_path, capsys):
+    from bbio.bench.table import main as table_main
+
+    def result(case, system, metric, median):
+        return {"case": case, "system": system, "metric": metric, "median": median}
+
+    doc = {
+        "results": [
+            result("16MiB", "bbio", "seconds", 0.5),
+            result("16MiB", "bb-write", "seconds", 0.25),
+            result("16MiB", "bbio-drain", "GB_per_s", 0.2),
+            result("16MiB", "pfs-write", "GB_per_s", 0.25),
+            result("64MiB", "bbio", "seconds", 2.0),
+        ]
+    }
+    source = tmp_path / "r.json"
+    source.write_text(json.dumps(doc))
+    assert table_main([str(source), "--systems", "bb-write,bbio"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "| case | bb-write | bbio |",
+        "| --- | --- | --- |",
+        "| 16MiB | 0.25 | 0.5 |",
+        "| 64MiB | - | 2 |",
+    ]
+    ratios = ["--ratio", "bbio/bb-write", "--ratio", "bbio-drain@GB_per_s/pfs-write@GB_per_s"]
+    assert table_main([str(source), *ratios]) == 0
+    assert capsys.readouterr().out.splitlines()[2:] == ["| 16MiB | 2 | 0.8 |"]
+    with pytest.raises(bbio.UsageError, match="no results for metric"):
+        table_main([str(source), "--metric", "nope"])
+    with pytest.raises(bbio.UsageError, match="SYSTEM/SYSTEM"):
+        table_main([str(source), "--ratio", "bbio"])

@@ -1,0 +1,98 @@
+"""Markdown tables from benchmark JSON: ``python -m bbio.bench.table RESULT.json ...``.
+
+One row per case, one column per system: the median of ``--metric``.  With
+``--ratio A/B`` (repeatable) the columns are instead the ratios of two
+systems' medians (``bbio/bb-write``; ``SYSTEM@METRIC`` picks another metric),
+the form the issues' targets take.  The docs' tables are printed this way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bbio.errors import UsageError
+
+
+def medians(documents: list[dict]) -> dict[tuple[str, str, str], float]:
+    """{(case, system, metric): median} over the results of ``documents`` (later files win)."""
+    return {
+        (r["case"], r["system"], r["metric"]): float(r["median"])
+        for doc in documents
+        for r in doc["results"]
+    }
+
+
+def _cases(found: dict[tuple[str, str, str], float]) -> list[str]:
+    return list(dict.fromkeys(case for case, _, _ in found))
+
+
+def _format(value: float, digits: int) -> str:
+    return f"{value:.{digits}g}" if abs(value) < 10**digits else f"{value:.0f}"
+
+
+def median_table(
+    found: dict[tuple[str, str, str], float], metric: str, systems: list[str] | None, digits: int
+) -> str:
+    """Cases by systems: the medians of ``metric`` (``systems``: the columns, in order)."""
+    present = [s for c, s, m in found if m == metric]
+    if not present:
+        metrics = sorted({m for _, _, m in found})
+        raise UsageError(f"no results for metric {metric!r}", hint=f"the files have {metrics}")
+    columns = systems or list(dict.fromkeys(present))
+    rows = [["case", *columns], ["---"] * (len(columns) + 1)]
+    for case in _cases(found):
+        cells = [found.get((case, s, metric)) for s in columns]
+        if any(cell is not None for cell in cells):
+            rows.append([case, *("-" if c is None else _format(c, digits) for c in cells)])
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+def _operand(text: str, metric: str) -> tuple[str, str]:
+    system, _, other = text.partition("@")
+    return system, other or metric
+
+
+def ratio_table(
+    found: dict[tuple[str, str, str], float], ratios: list[str], metric: str, digits: int
+) -> str:
+    """Cases by ratios ``A/B`` of two systems' medians (of ``metric`` unless ``@METRIC``)."""
+    pairs = []
+    for text in ratios:
+        top, slash, bottom = text.partition("/")
+        if not slash or not top or not bottom:
+            raise UsageError(f"a ratio is SYSTEM/SYSTEM, got {text!r}", hint="e.g. bbio/bb-write")
+        pairs.append((_operand(top, metric), _operand(bottom, metric)))
+    rows = [["case", *ratios], ["---"] * (len(ratios) + 1)]
+    for case in _cases(found):
+        cells = []
+        for (a, am), (b, bm) in pairs:
+            num, den = found.get((case, a, am)), found.get((case, b, bm))
+            cells.append("-" if num is None or not den else _format(num / den, digits))
+        if any(cell != "-" for cell in cells):
+            rows.append([case, *cells])
+    return "\n".join("| " + " | ".join(row) + " |" for row in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(prog="python -m bbio.bench.table", description=__doc__)
+    parser.add_argument("json", nargs="+", type=Path, help="result files of python -m bbio.bench")
+    parser.add_argument("--metric", default="seconds", help="the metric (default: seconds)")
+    parser.add_argument("--systems", help="comma-separated columns (default: every system)")
+    parser.add_argument("--ratio", action="append", default=[], help="a column A/B (repeatable)")
+    parser.add_argument("--digits", type=int, default=3, help="significant digits (default 3)")
+    args = parser.parse_args(argv)
+    found = medians([json.loads(p.read_text()) for p in args.json])
+    if args.ratio:
+        print(ratio_table(found, args.ratio, args.metric, args.digits))
+    else:
+        systems = args.systems.split(",") if args.systems else None
+        print(median_table(found, args.metric, systems, args.digits))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
