@@ -10,6 +10,7 @@ valid copy, from the PFS otherwise, and skips copies that fail verification.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -154,11 +155,16 @@ class Checkpointer:
         self._drain: subprocess.Popen | None = None
         self._said_direct = False
         self.last_restore_tier: str | None = None  # "bb" or "pfs", after restore()
+        pfs_steps: list[int] = []
         with agreed(self.comm, f"checkpointer {name}: preparing the burst buffer"):
             if self.topo.is_leader:
                 self.journal.mkdir(parents=True, exist_ok=True)
                 (self.journal / drain.STOP).unlink(missing_ok=True)
                 drain.set_target(self.journal, self.pfs_dir, self.nodes, keep_pfs)
+            if self.rank == 0:
+                pfs_steps = drain.steps_in(self.pfs_dir)
+        # steps with anything on the PFS: a save of one of them uncommits it first
+        self._pfs_steps: set[int] = set(self.comm.bcast(pfs_steps, root=0))
 
     # ---------------------------------------------------------------- save
 
@@ -175,31 +181,51 @@ class Checkpointer:
         def check() -> tuple:
             layout.step_dirname(step)
             json.dumps(dict(attrs or {}))
-            return layout.layout_of(arrays), describe(arrays), time.time()
+            spec = describe(arrays)
+            free, old_copy = None, False
+            if self.topo.is_leader:
+                free = files.free_bytes(self.bb_dir)
+                old_copy = self._has_bb_copy(step)
+                (self.bb_dir / layout.step_dirname(step)).mkdir(parents=True, exist_ok=True)
+            return layout.layout_of(arrays), spec, time.time(), self.node, free, old_copy
 
         checked = agreed_allgather(comm, f"checkpoint {self.name} step {step}: checking", check)
-        kinds = {kind for kind, _, _ in checked}
+        kinds = {kind for kind, *_ in checked}
         if len(kinds) != 1:
             raise UsageError(f"ranks disagree on the layout of checkpoint {step}: {sorted(kinds)}")
-        kind, spec, when = checked[self.rank][0], checked[self.rank][1], checked[0][2]
-        all_specs = [s for _, s, _ in checked]
+        kind, when = checked[0][0], checked[0][2]
+        all_specs = [spec for _, spec, *_ in checked]
         shapes = global_shapes(all_specs, kind)
         handle = SaveHandle(
             self.name, step, self.pfs_dir / layout.step_dirname(step), self.journal, self.nodes
         )
         if self._wait_for_room(handle):
             return dataclasses.replace(handle, skipped=True)
-        node_bytes = sum(entry["bytes"] for r in self.node_ranks for entry in all_specs[r].values())
-        direct = not self._prepare(step, node_bytes + FILE_OVERHEAD_BYTES)
+        need = [FILE_OVERHEAD_BYTES] * self.nodes
+        free: dict[int, int] = {}
+        for _, spec, _, node, node_free, _ in checked:
+            need[node] += sum(entry["bytes"] for entry in spec.values())
+            if node_free is not None:
+                free[node] = node_free
+        if step in self._pfs_steps or any(old for *_, old in checked):
+            self._replace(step)  # saved before: its old copies go before any node writes
+        self._pfs_steps.add(step)
+        direct = not self._room_in_every_bb(need, free)
         step_dir = (self.pfs_dir if direct else self.bb_dir) / layout.step_dirname(step)
-        size = 0
+        if direct:
+            with agreed(comm, f"checkpoint {self.name} step {step}: writing to the PFS"):
+                if self.topo.is_leader:
+                    step_dir.mkdir(parents=True, exist_ok=True)
+                    with contextlib.suppress(OSError):  # made by check(), left empty
+                        (self.bb_dir / layout.step_dirname(step)).rmdir()
+        node_specs = [(r, all_specs[r]) for r in self.node_ranks]
         with agreed(comm, f"checkpoint {self.name} step {step}: writing"):
             size = write_node_file(
                 self.topo.node_comm,
                 step_dir / layout.node_filename(self.node),
                 self.rank,
                 arrays,
-                spec,
+                node_specs,
                 file_attrs(
                     step,
                     when,
@@ -212,7 +238,6 @@ class Checkpointer:
                     attrs,
                 ),
             )
-        with agreed(comm, f"checkpoint {self.name} step {step}: recording"):
             if self.topo.is_leader:
                 self._record(step_dir, step, size, direct)
                 if not direct:
@@ -224,21 +249,31 @@ class Checkpointer:
             return dataclasses.replace(handle, direct=True)
         return handle
 
-    def _forget(self, step: int) -> None:
-        """Before (re)writing ``step``: drop older copies of it, uncommitting it on the PFS.
-
-        Called on every rank inside an agreed block; only leaders touch files.
-        """
+    def _has_bb_copy(self, step: int) -> bool:
+        """A node leader: does this node's burst buffer hold anything of ``step``?"""
         name = layout.step_dirname(step)
-        if self.rank == 0:
-            pfs_step = self.pfs_dir / name
-            drain.manifest_path(pfs_step).unlink(missing_ok=True)
-            for n in range(self.nodes):
-                (pfs_step / layout.node_record_name(n)).unlink(missing_ok=True)
-        if self.topo.is_leader:
-            drain.task_path(self.journal, step).unlink(missing_ok=True)
-            for stale in (layout.node_record_name(self.node), layout.node_filename(self.node)):
-                (self.bb_dir / name / stale).unlink(missing_ok=True)
+        return drain.task_path(self.journal, step).exists() or any(
+            (self.bb_dir / name / stale).exists()
+            for stale in (layout.node_record_name(self.node), layout.node_filename(self.node))
+        )
+
+    def _replace(self, step: int) -> None:
+        """Collective: before ``step`` is written again, drop its older copies everywhere.
+
+        Rank 0 uncommits it on the PFS (manifest, then every node's record);
+        each node leader drops its node's BB copy and queued task.
+        """
+        with agreed(self.comm, f"checkpoint {self.name} step {step}: replacing the old copy"):
+            name = layout.step_dirname(step)
+            if self.rank == 0:
+                pfs_step = self.pfs_dir / name
+                drain.manifest_path(pfs_step).unlink(missing_ok=True)
+                for n in range(self.nodes):
+                    (pfs_step / layout.node_record_name(n)).unlink(missing_ok=True)
+            if self.topo.is_leader:
+                drain.task_path(self.journal, step).unlink(missing_ok=True)
+                for stale in (layout.node_record_name(self.node), layout.node_filename(self.node)):
+                    (self.bb_dir / name / stale).unlink(missing_ok=True)
 
     def _record(self, step_dir: Path, step: int, size: int, direct: bool) -> None:
         """The node leader's bookkeeping once its node file is durable."""
@@ -295,43 +330,36 @@ class Checkpointer:
             time.sleep(0.05)
         return False
 
-    def _prepare(self, step: int, node_bytes: int) -> bool:
-        """Collective: clear the way for ``step``; True if every burst buffer can hold it.
+    def _room_in_every_bb(self, need: list[int], free: dict[int, int]) -> bool:
+        """Collective: can every node's burst buffer hold its file (``need[node]`` bytes)?
 
-        Drops older copies of the step and checks each node's free space.  The
-        drain trims drained BB copies beyond ``keep_bb`` in the background; a
-        node short of room trims them here first.  If a node still lacks room,
-        the checkpoint goes straight to the PFS (said once).  One agreement for
-        all of it.
+        ``free`` is each node's free space, as its leader saw it.  The drain trims
+        drained BB copies beyond ``keep_bb`` in the background; a node short of
+        room trims them here first.  If a node still lacks room, every node
+        writes straight to the PFS (said once).
         """
+        short = [(node, free[node]) for node in range(self.nodes) if need[node] > free[node]]
+        if short:
 
-        def prepare() -> tuple | None:
-            self._forget(step)
-            if not self.topo.is_leader:
-                return None
-            free = files.free_bytes(self.bb_dir)
-            if node_bytes > free:
+            def trim() -> tuple[int, int] | None:
+                if not self.topo.is_leader or need[self.node] <= free[self.node]:
+                    return None
                 self._trim_bb(keep=self.keep_bb - 1)
-                free = files.free_bytes(self.bb_dir)
-            fits = node_bytes <= free
-            target = self.bb_dir if fits else self.pfs_dir
-            (target / layout.step_dirname(step)).mkdir(parents=True, exist_ok=True)
-            return self.node, fits, free
+                return self.node, files.free_bytes(self.bb_dir)
 
-        leaders = [x for x in agreed_allgather(self.comm, "checkpoint: preparing", prepare) if x]
-        short = [(n, free) for n, fits, free in leaders if not fits]
+            trimmed = agreed_allgather(self.comm, "checkpoint: making room", trim)
+            short = [(n, left) for n, left in filter(None, trimmed) if need[n] > left]
         if short and self.rank == 0 and not self._said_direct:
+            node, left = short[0]
             log.warning(
                 "checkpoint %s: the burst buffer of node %d cannot hold it (%s needed, %s free): "
                 "writing checkpoints straight to the PFS",
                 self.name,
-                short[0][0],
-                format_bytes(node_bytes),
-                format_bytes(short[0][1]),
+                node,
+                format_bytes(need[node]),
+                format_bytes(left),
             )
         self._said_direct = self._said_direct or bool(short)
-        if short and self.topo.is_leader:  # every node writes to the PFS then
-            (self.pfs_dir / layout.step_dirname(step)).mkdir(parents=True, exist_ok=True)
         return not short
 
     def _trim_bb(self, keep: int) -> None:

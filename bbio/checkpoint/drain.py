@@ -304,6 +304,13 @@ def _file_entry(record: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in record.items() if k != "contents"}
 
 
+def steps_in(ckpt_dir: Path) -> list[int]:
+    """Steps with a directory under a checkpoint directory (committed or not), oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    return sorted(s for e in ckpt_dir.iterdir() if (s := layout.parse_step(e.name)) is not None)
+
+
 def committed_steps(ckpt_dir: Path) -> list[int]:
     """Steps with a committed manifest under a PFS checkpoint directory, oldest first."""
     steps = []

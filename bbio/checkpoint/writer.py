@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,22 +66,23 @@ def write_node_file(
     path: Path,
     rank: int,
     arrays: Mapping[str, Any],
-    spec: Mapping[str, dict],
+    node_specs: Sequence[tuple[int, Mapping[str, dict]]],
     attrs: Mapping[str, Any],
 ) -> int:
     """Collective over ``node_comm``: write the node's checkpoint file at ``path``.
 
-    ``rank`` is this rank's rank in the job; ``spec`` its :func:`describe`;
-    ``attrs`` the file's root attributes (the same on every rank).  Returns
-    the file's size once it is durable under its final name.
+    ``rank`` is this rank's rank in the job; ``node_specs`` the (job rank,
+    :func:`describe`) of every rank of the node, the same on each; ``attrs``
+    the file's root attributes (the same on every rank).  Returns the file's
+    size on the node's rank 0, once the file is durable under its final name
+    there; other ranks return 0 before that.
     """
     h5py = _h5py()
-    everyone = node_comm.allgather((rank, dict(spec)))
     temp = files.temp_path(path)
     with h5py.File(temp, "w", driver="mpio", comm=node_comm) as f:
         for name, value in attrs.items():
             f.attrs[name] = value
-        for owner, owner_spec in everyone:
+        for owner, owner_spec in node_specs:
             for key, entry in owner_spec.items():
                 dataset = f.create_dataset(
                     rank_dataset(key, owner), shape=tuple(entry["shape"]), dtype=entry["dtype"]
@@ -94,18 +95,18 @@ def write_node_file(
             data = value.data if isinstance(value, Shard) else np.asarray(value)
             if data.size:
                 f[rank_dataset(key, rank)][...] = data
-    node_comm.Barrier()
-    size = 0
-    if node_comm.Get_rank() == 0:
-        fd = os.open(temp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-        os.replace(temp, path)
-        files.fsync_dirs([path.parent])
-    return node_comm.bcast(size, root=0)
+    node_comm.Barrier()  # every rank's bytes are written: rank 0 makes the file durable
+    if node_comm.Get_rank() != 0:
+        return 0
+    fd = os.open(temp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+    os.replace(temp, path)
+    files.fsync_dirs([path.parent])
+    return size
 
 
 def file_attrs(
