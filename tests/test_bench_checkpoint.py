@@ -20,6 +20,7 @@ BASE_SYSTEMS = (
     "bb-write-fpp",
     "bbio",
     "bbio-committed",
+    "h5py-bb",
     "h5py-sync",
     "pfs-write",
     "pfs-write-node",

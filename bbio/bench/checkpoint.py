@@ -19,6 +19,10 @@ one measurement that starts after a barrier:
   to the PFS: one HDF5 file (h5py, driver ``mpio``, ``COMM_WORLD``), every
   rank's datasets created collectively, each rank writing its own; close, then
   fsync by rank 0.
+* ``h5py-bb``: the same h5py write in bbio's layout, one file per node (driver
+  ``mpio`` on the node communicator) into the burst buffer, fsync by the node
+  leader, and nothing else: what HDF5 costs bbio's ``save`` before its own
+  work (CRC32C, agreement, records).
 * ``dcp-async`` and ``dcp-async-committed``: the peer,
   ``torch.distributed.checkpoint.async_save`` of the same arrays as CPU tensors
   (``torch.from_numpy``, keys prefixed with the rank so that nothing is
@@ -100,6 +104,7 @@ SYSTEMS = (
     "bb-write",
     "bb-write-fpp",
     "bbio",
+    "h5py-bb",
     "h5py-sync",
     "dcp-async",
     "pfs-write",
@@ -112,6 +117,7 @@ REPORTED = (
     "bb-write-fpp",
     "bbio",
     "bbio-committed",
+    "h5py-bb",
     "h5py-sync",
     "dcp-async",
     "dcp-async-committed",
@@ -299,7 +305,8 @@ class CheckpointBench:
 
     def start(self) -> None:
         if self.leader:
-            (self.node_bb / "raw").mkdir(parents=True, exist_ok=True)
+            for sub in ("raw", "h5py"):
+                (self.node_bb / sub).mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             for sub in ("raw", "h5py", "dcp"):
                 (self.pfs / sub).mkdir(parents=True, exist_ok=True)
@@ -421,27 +428,35 @@ class CheckpointBench:
             path.unlink()
         return {"pfs-write-node": seconds}
 
-    def h5py_sync(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+    def _h5py_write(self, comm, path: Path, state: dict[str, np.ndarray]) -> float:
+        """Collective over ``comm``: the arrays into one HDF5 file (``mpio``), fsynced; seconds."""
         import h5py
 
-        path = self.pfs / "h5py" / "checkpoint.h5"
-        comm = self.comm
-        comm.Barrier()
+        self.comm.Barrier()
         start = time.perf_counter()
         everyone = comm.allgather([(k, a.shape, a.dtype.str) for k, a in state.items()])
+        ranks = comm.allgather(self.rank)
         with h5py.File(path, "w", driver="mpio", comm=comm) as f:
-            for owner, spec in enumerate(everyone):
+            for owner, spec in zip(ranks, everyone, strict=True):
                 for key, shape, dtype in spec:
                     f.create_dataset(f"{key}/r{owner:05d}", shape=shape, dtype=dtype)
             for key, array in state.items():
                 f[f"{key}/r{self.rank:05d}"][...] = array
         comm.Barrier()
-        if self.rank == 0:
+        if comm.Get_rank() == 0:
             _fsync_path(path)
-        seconds = _max(comm, time.perf_counter() - start)
-        if self.rank == 0:
+        seconds = _max(self.comm, time.perf_counter() - start)
+        if comm.Get_rank() == 0:
             path.unlink()
-        return {"h5py-sync": seconds}
+        return seconds
+
+    def h5py_sync(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        path = self.pfs / "h5py" / "checkpoint.h5"
+        return {"h5py-sync": self._h5py_write(self.comm, path, state)}
+
+    def h5py_bb(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        path = self.node_bb / "h5py" / f"node-{self.node:05d}.h5"
+        return {"h5py-bb": self._h5py_write(self.topo.node_comm, path, state)}
 
     def bbio(self, state: dict[str, np.ndarray]) -> dict[str, float]:
         assert self.ck is not None
@@ -509,6 +524,7 @@ class CheckpointBench:
             "bb-write-fpp": self.bb_write_fpp,
             "bbio": self.bbio,
             "h5py-sync": self.h5py_sync,
+            "h5py-bb": self.h5py_bb,
             "dcp-async": self.dcp_async,
             "pfs-write": self.pfs_write,
             "pfs-write-node": self.pfs_write_node,
