@@ -104,3 +104,5 @@ def test_table_prints_medians_and_target_ratios(tmp_path, capsys):
         table_main([str(source), "--metric", "nope"])
     with pytest.raises(bbio.UsageError, match="SYSTEM/SYSTEM"):
         table_main([str(source), "--ratio", "bbio"])
+    with pytest.raises(bbio.UsageError, match=r"system\(s\) \['nope'\]"):
+        table_main([str(source), "--systems", "bbio,nope"])

@@ -3,6 +3,7 @@ node records, and what a waiting rank learns from its node's journal."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -62,7 +63,7 @@ def test_node_files_of_different_steps_are_not_committed_together(tmp_path):
     write_node_file(tmp_path / layout.node_filename(0), 7, 0, [0, 1], state)
     write_node_file(tmp_path / layout.node_filename(1), 8, 1, [2, 3], state)
     descriptions = [describe_node_file(tmp_path / layout.node_filename(n), n) for n in (0, 1)]
-    with pytest.raises(IntegrityError, match=r"step 8.*step 7"):
+    with pytest.raises(IntegrityError, match=r"not of one save.*step 8.*7"):
         merge_descriptions(descriptions, tmp_path)
 
 
@@ -91,3 +92,79 @@ def test_a_waiting_rank_learns_the_commit_from_its_node_journal(tmp_path):
     assert drain.step_committed(journal, 5) is None  # the drain died
     _status(journal, pid=alive, state="idle", awaiting=[], committed=[])
     assert drain.step_committed(journal, 5) is None  # a restarted drain never saw it
+
+
+def _two_node_save(bb_root, step, when):
+    """Both nodes' files of one save in their burst buffers, recorded and queued."""
+    journals = []
+    for node, ranks in ((0, [0, 1]), (1, [2, 3])):
+        step_dir = bb_root / str(node) / layout.step_dirname(step)
+        step_dir.mkdir(parents=True, exist_ok=True)
+        attrs = file_attrs(step, when, 4, 2, node, ranks, layout.PER_RANK, {}, {})
+        with h5py.File(step_dir / layout.node_filename(node), "w") as f:
+            f.attrs.update(attrs)
+            for rank in ranks:
+                value = np.full(5, when + rank)
+                f.create_dataset(layout.rank_dataset("w", rank), data=value).attrs["crc32c"] = (
+                    _native.crc32c(value.view(np.uint8))
+                )
+        record = {"size": 0, "crc32c": None, "node": node, "time": when, "complete": True}
+        files.write_json_atomic(step_dir / layout.node_record_name(node), record)
+        journal = bb_root / str(node) / ".journal"
+        journal.mkdir(exist_ok=True)
+        pfs_step = bb_root.parent / "pfs" / layout.step_dirname(step)
+        task = drain.Task("run", step, node, 2, str(step_dir), str(pfs_step), 5, 2, "cache", when)
+        drain.add_task(journal, task)
+        journals.append(journal)
+    return journals
+
+
+def test_drains_commit_one_save_and_report_it_to_waiting_ranks(tmp_path):
+    j0, j1 = _two_node_save(tmp_path / "bb", 7, 1.5)
+    pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
+    assert drain.run(j0, None, finish=True, timeout=60) == 0  # node 1 not drained yet
+    assert drain.read_manifest(pfs_step) is None
+    assert drain.read_status(j0)["awaiting"] == [7]
+    assert drain.step_committed(j0, 7) is None  # that drain stopped: ask the PFS
+    assert drain.run(j1, None, finish=True, timeout=60) == 0
+    assert drain.read_manifest(pfs_step)["time"] == 1.5
+    assert drain.read_status(j1)["committed"] == [7]
+    assert drain.step_committed(j1, 7) is True
+    with h5py.File(pfs_step / drain.GLOBAL_VIEW, "r") as f:
+        np.testing.assert_array_equal(f[layout.rank_dataset("w", 3)][()], np.full(5, 4.5))
+
+
+def test_a_step_saved_again_while_draining_is_never_committed_from_mixed_saves(tmp_path):
+    j0, j1 = _two_node_save(tmp_path / "bb", 7, 1.5)
+    old_task = drain.pending(j0)[0]
+    _two_node_save(tmp_path / "bb", 7, 2.5)  # saved again before the drain took the old task
+    commits = drain._Commits(j0)
+    assert drain._process(j0, old_task, commits) is False  # stale: left to the new task
+    assert drain.pending(j0)[0].save_time == 2.5
+    pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
+    assert not (pfs_step / layout.node_record_name(0)).exists()
+    # node 1 drained the old save before it was saved again: its record is of 1.5
+    drain.copy_node_file(dataclasses.replace(drain.pending(j1)[0], save_time=None))
+    files.write_json_atomic(
+        pfs_step / layout.node_record_name(1),
+        {**files.read_json(pfs_step / layout.node_record_name(1)), "time": 1.5},
+    )
+    assert drain.run(j0, None, finish=True, timeout=60) == 0
+    assert drain.try_commit(pfs_step, 2) is False  # 2.5 on node 0, 1.5 on node 1
+    assert drain.read_manifest(pfs_step) is None
+    assert drain.run(j1, None, finish=True, timeout=60) == 0  # node 1's new task
+    assert drain.read_manifest(pfs_step)["time"] == 2.5
+
+
+def test_a_manifest_of_an_older_save_is_replaced(tmp_path):
+    j0, j1 = _two_node_save(tmp_path / "bb", 7, 1.5)
+    pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
+    for journal in (j0, j1):
+        drain.run(journal, None, finish=True, timeout=60)
+    stale = drain.read_manifest(pfs_step)
+    j0, j1 = _two_node_save(tmp_path / "bb", 7, 2.5)
+    for journal in (j0, j1):
+        drain.run(journal, None, finish=True, timeout=60)
+    files.write_json_atomic(drain.manifest_path(pfs_step), stale)  # a late old committer
+    assert drain.try_commit(pfs_step, 2) is True
+    assert drain.read_manifest(pfs_step)["time"] == 2.5

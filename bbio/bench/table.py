@@ -30,7 +30,8 @@ def _cases(found: dict[tuple[str, str, str], float]) -> list[str]:
 
 
 def _format(value: float, digits: int) -> str:
-    return f"{value:.{digits}g}" if abs(value) < 10**digits else f"{value:.0f}"
+    text = f"{value:.{digits}g}"
+    return f"{value:.0f}" if "e+" in text else text
 
 
 def median_table(
@@ -41,6 +42,12 @@ def median_table(
     if not present:
         metrics = sorted({m for _, _, m in found})
         raise UsageError(f"no results for metric {metric!r}", hint=f"the files have {metrics}")
+    unknown = [name for name in systems or () if name not in present]
+    if unknown:
+        raise UsageError(
+            f"no {metric} results for system(s) {unknown}",
+            hint=f"the files have {sorted(set(present))}",
+        )
     columns = systems or list(dict.fromkeys(present))
     rows = [["case", *columns], ["---"] * (len(columns) + 1)]
     for case in _cases(found):
@@ -86,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--digits", type=int, default=3, help="significant digits (default 3)")
     args = parser.parse_args(argv)
     found = medians([json.loads(p.read_text()) for p in args.json])
+    if args.ratio and args.systems:
+        raise UsageError("--systems and --ratio do not go together", hint="give one of them")
     if args.ratio:
         print(ratio_table(found, args.ratio, args.metric, args.digits))
     else:

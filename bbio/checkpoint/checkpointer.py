@@ -141,6 +141,9 @@ class Checkpointer:
             raise UsageError(f"backpressure must be queue, block or skip, got {policy!r}")
         self.name, self.keep_bb, self.keep_pfs, self.backpressure = name, keep_bb, keep_pfs, policy
         self.verify = config.ckpt_verify
+        rpn = config.ranks_per_node
+        nodes_on_host = -(-comm.Get_size() // rpn) if rpn else 1
+        config.node_dir(bb_root or config.bb_root, 0, nodes_on_host)  # refused before any MPI
         self.comm = comm.Dup()
         self.topo = topology(self.comm, config.ranks_per_node)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
@@ -200,6 +203,9 @@ class Checkpointer:
             self.name, step, self.pfs_dir / layout.step_dirname(step), self.journal, self.nodes
         )
         if self._wait_for_room(handle):
+            if self.topo.is_leader:
+                with contextlib.suppress(OSError):  # made by check(), left empty
+                    (self.bb_dir / layout.step_dirname(step)).rmdir()
             return dataclasses.replace(handle, skipped=True)
         need = [FILE_OVERHEAD_BYTES] * self.nodes
         free: dict[int, int] = {}
@@ -239,7 +245,7 @@ class Checkpointer:
                 ),
             )
             if self.topo.is_leader:
-                self._record(step_dir, step, size, direct)
+                self._record(step_dir, step, when, size, direct)
                 if not direct:
                     self._start_drain()
         if direct:
@@ -274,9 +280,11 @@ class Checkpointer:
                 drain.task_path(self.journal, step).unlink(missing_ok=True)
                 for stale in (layout.node_record_name(self.node), layout.node_filename(self.node)):
                     (self.bb_dir / name / stale).unlink(missing_ok=True)
+                (self.bb_dir / name).mkdir(parents=True, exist_ok=True)  # if trimmed meanwhile
 
-    def _record(self, step_dir: Path, step: int, size: int, direct: bool) -> None:
-        """The node leader's bookkeeping once its node file is durable."""
+    def _record(self, step_dir: Path, step: int, when: float, size: int, direct: bool) -> None:
+        """The node leader's bookkeeping once its node file (of the save at ``when``) is
+        durable."""
         record_path = step_dir / layout.node_record_name(self.node)
         if direct:  # on the PFS already: record its CRC32C and contents for the commit
             node_file = step_dir / layout.node_filename(self.node)
@@ -287,13 +295,13 @@ class Checkpointer:
                     "size": size,
                     "crc32c": crc,
                     "node": self.node,
+                    "time": when,
                     "contents": describe_node_file(node_file, self.node),
                 },
             )
             return
-        files.write_json_atomic(
-            record_path, {"size": size, "crc32c": None, "node": self.node, "complete": True}
-        )
+        record = {"size": size, "crc32c": None, "node": self.node, "time": when, "complete": True}
+        files.write_json_atomic(record_path, record)
         drain.add_task(
             self.journal,
             drain.Task(
@@ -306,6 +314,7 @@ class Checkpointer:
                 self.keep_pfs,
                 self.keep_bb,
                 self.verify,
+                when,
             ),
         )
 

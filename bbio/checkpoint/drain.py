@@ -23,7 +23,7 @@ then, if every node's record is there, take the commit lock, write
 records and written at once) and ``manifest.json`` last.  The drain reports the
 commit in ``status.json`` (``committed``), and while other nodes have still to
 commit a step it drained (``awaiting``) it looks for their manifest, from 5 ms
-up to every 0.5 s: waiting ranks read the status, so one process per node, not
+up to every 50 ms: waiting ranks read the status, so one process per node, not
 every rank, polls the PFS.  Then PFS retention, and this node's BB copies
 beyond ``keep_bb`` that are committed are trimmed (again every second while
 idle, until none is left waiting for other nodes' commits; the PFS is read
@@ -42,7 +42,7 @@ import os
 import socket
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -63,7 +63,7 @@ STALE_LOCK_SECONDS = 120.0
 MAX_BACKOFF_SECONDS = 30.0
 IDLE_TRIM_SECONDS = 1.0
 POLL_SECONDS = 0.02  # the journal is on the BB: a listing costs microseconds
-AWAIT_POLL_SECONDS = (0.005, 0.5)  # first and longest pause between looks for other nodes' commits
+AWAIT_POLL_SECONDS = (0.005, 0.05)  # first and longest pause between looks for other nodes' commits
 RECENT_COMMITS = 64  # steps the status remembers as committed
 STOPPED = "stopped"
 
@@ -81,6 +81,13 @@ class Task:
     keep_pfs: int
     keep_bb: int = 2
     verify: str = "cache"  # ckpt_verify: read back through the client cache, or the device
+    save_time: float | None = None  # which save of the step: its "time" attribute
+
+    def is_save_of(self, document: dict[str, Any] | None) -> bool:
+        """True if ``document`` (a record or a task) belongs to this task's save of the step."""
+        return self.save_time is None or (document or {}).get("time", self.save_time) == (
+            self.save_time
+        )
 
     @property
     def source(self) -> Path:
@@ -170,20 +177,29 @@ def read_manifest(step_dir: Path) -> dict[str, Any] | None:
 # ------------------------------------------------------------------ copying
 
 
-def copy_node_file(task: Task) -> dict[str, int]:
-    """Copy one node file to the PFS, verify it, record it on both sides.  Idempotent."""
+def copy_node_file(task: Task) -> dict[str, Any] | None:
+    """Copy one node file to the PFS, verify it, record it on both sides.  Idempotent.
+
+    Returns the node's record, or None if the step was saved again since the
+    task was queued (its new task copies the new file).
+    """
     record_path = Path(task.pfs_step_dir) / layout.node_record_name(task.node)
     bb_record_path = Path(task.bb_step_dir) / layout.node_record_name(task.node)
     bb_record = files.read_json(bb_record_path) or {}
+    if not task.is_save_of(bb_record):
+        return None
     existing = files.read_json(record_path)
     if (
         existing is not None
+        and task.is_save_of(existing)
         and bb_record.get("crc32c") is not None
         and existing.get("crc32c") == bb_record["crc32c"]
         and task.target.exists()
     ):
         return existing
     contents = describe_node_file(task.source, task.node)  # from the BB: no PFS reads to commit
+    if not task.is_save_of(contents):
+        return None
     Path(task.pfs_step_dir).mkdir(parents=True, exist_ok=True)
     temp = files.temp_path(task.target)
     result = _native.copy_file(task.source, temp, checksum=True)
@@ -199,7 +215,9 @@ def copy_node_file(task: Task) -> dict[str, int]:
             path=task.target,
             hint="the PFS may be failing; the drain will copy it again",
         )
-    record = {"size": size, "crc32c": crc, "node": task.node}
+    if not task.is_save_of(files.read_json(bb_record_path)):
+        return None  # saved again during the copy
+    record = {"size": size, "crc32c": crc, "node": task.node, "time": contents["time"]}
     files.write_json_atomic(record_path, {**record, "contents": contents})
     files.write_json_atomic(bb_record_path, {**bb_record, **record, "complete": True})
     return record
@@ -260,23 +278,34 @@ def _take_commit_lock(step_dir: Path) -> Path | None:
 
 
 def try_commit(step_dir: Path, nodes: int) -> bool:
-    """Commit the checkpoint in ``step_dir`` if every node's file is there.  Idempotent.
+    """Commit the checkpoint in ``step_dir`` if every node's file of one save is there.
 
-    Returns True if it is committed (now or before).  PFS retention is the
-    caller's next step (:func:`apply_pfs_retention`), once it has said so.
+    Idempotent.  Returns True if it is committed (now or before).  Records of
+    different saves of the step (saved again while draining) are not committed
+    together, and a manifest of an older save is replaced.  PFS retention is
+    the caller's next step (:func:`apply_pfs_retention`), once it has said so.
     """
-    if read_manifest(step_dir) is not None:
-        return True
     records = [files.read_json(step_dir / layout.node_record_name(n)) for n in range(nodes)]
     if any(r is None for r in records):
         return False
+    saves = {r.get("time") for r in records}
+    if len(saves) != 1:
+        return False  # a node has not drained the latest save yet
+    save = saves.pop()
+    if _committed_save(step_dir, save):
+        return True
     lock = _take_commit_lock(step_dir)
     if lock is None:
         return False  # another node's drain is committing it
     try:
-        if read_manifest(step_dir) is not None:
+        if _committed_save(step_dir, save):
             return True
-        meta = merge_descriptions([r["contents"] for r in records], step_dir)
+        manifest_path(step_dir).unlink(missing_ok=True)  # of an older save, if any
+        contents = [
+            r.get("contents") or describe_node_file(step_dir / layout.node_filename(n), n)
+            for n, r in enumerate(records)
+        ]
+        meta = merge_descriptions(contents, step_dir)
         view_size, view_crc = write_global_view(step_dir / GLOBAL_VIEW, meta)
         manifest = {
             "format": MANIFEST_FORMAT,
@@ -300,8 +329,14 @@ def try_commit(step_dir: Path, nodes: int) -> bool:
     return True
 
 
+def _committed_save(step_dir: Path, save: float | None) -> bool:
+    """Is ``step_dir`` committed, by the save of time ``save`` (None: any save)?"""
+    manifest = read_manifest(step_dir)
+    return manifest is not None and (save is None or manifest.get("time") == save)
+
+
 def _file_entry(record: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in record.items() if k != "contents"}
+    return {k: v for k, v in record.items() if k in ("size", "crc32c", "node")}
 
 
 def steps_in(ckpt_dir: Path) -> list[int]:
@@ -404,24 +439,106 @@ def _trim_after(journal: Path, task: Task) -> bool:
         return True
 
 
-def _process(journal: Path, task: Task, settle: Callable[[Task, bool], None]) -> bool:
+def _process(journal: Path, task: Task, commits: _Commits) -> bool:
     """Drain ``task``; True if BB copies are left to trim once other nodes commit.
 
-    ``settle(task, committed)`` runs before the task leaves the journal, so that
-    :func:`step_committed` always finds the step in the journal or the status.
+    The commit is reported (``commits.settle``) before the task leaves the
+    journal, so that :func:`step_committed` always finds the step in one of
+    them.  A task whose step was saved again meanwhile is left to its new task.
     """
-    copy_node_file(task)
+    if copy_node_file(task) is None:
+        return False
     committed = try_commit(Path(task.pfs_step_dir), task.nodes)
-    settle(task, committed)
-    task_path(journal, task.step).unlink(missing_ok=True)
+    commits.settle(task, committed)
+    _remove_task(journal, task)
     if committed:
         apply_pfs_retention(Path(task.pfs_step_dir).parent, task.keep_pfs)
     return _trim_after(journal, task)
 
 
+def _remove_task(journal: Path, task: Task) -> None:
+    """Remove ``task``'s journal entry, unless it now holds a newer save of the step."""
+    path = task_path(journal, task.step)
+    if task.is_save_of(files.read_json(path)):
+        path.unlink(missing_ok=True)
+
+
+class _Commits:
+    """What one drain knows of commits, published in its status for waiting ranks.
+
+    ``committed``: recent steps seen committed; ``awaiting``: steps this node
+    drained whose commit waits on other nodes.  :meth:`look` polls the PFS for
+    the awaited ones, from every 5 ms up to every 50 ms: the one poller per node.
+    """
+
+    def __init__(self, journal: Path) -> None:
+        self.journal = journal
+        self.awaiting: dict[int, Task] = {}
+        self.committed: list[int] = []
+        self.looked_at, self.pause = 0.0, AWAIT_POLL_SECONDS[0]
+
+    def report(self, **status: Any) -> None:
+        """Write the status: ``state`` (default idle), ``error``, ``retries`` and the steps."""
+        _write_status(
+            self.journal,
+            awaiting=sorted(self.awaiting),
+            committed=self.committed,
+            **{"state": "idle", "error": None, "retries": 0, **status},
+        )
+
+    def settle(self, task: Task, done: bool) -> None:
+        """``task`` is drained: its step is committed (``done``) or awaits other nodes."""
+        self._forget(task.step)
+        if done:
+            self._add(task.step)
+        else:
+            self.awaiting[task.step] = task
+        self.report()
+
+    def look(self) -> None:
+        """Poll the PFS for the awaited steps, if the pause since the last look is over."""
+        now = time.monotonic()
+        if not self.awaiting or now - self.looked_at < self.pause:
+            return
+        seen = [step for step, task in self.awaiting.items() if _is_committed(task)]
+        for step in seen:
+            self._forget(step)
+            self._add(step)
+        longer = min(self.pause * 1.5, AWAIT_POLL_SECONDS[1])
+        self.pause = AWAIT_POLL_SECONDS[0] if seen else longer
+        self.looked_at = now
+        if seen:
+            self.report()
+
+    def until_next_look(self) -> float:
+        """Seconds until :meth:`look` has something to do (inf when nothing is awaited)."""
+        if not self.awaiting:
+            return float("inf")
+        return max(self.looked_at + self.pause - time.monotonic(), 0.0)
+
+    def restart_looking(self) -> None:
+        """Look again soon (a task was just drained)."""
+        self.looked_at, self.pause = time.monotonic(), AWAIT_POLL_SECONDS[0]
+
+    def _forget(self, step: int) -> None:
+        self.awaiting.pop(step, None)
+        self.committed[:] = [s for s in self.committed if s != step]
+
+    def _add(self, step: int) -> None:
+        self.committed.append(step)
+        del self.committed[:-RECENT_COMMITS]
+
+
 def _is_committed(task: Task) -> bool:
+    """Is ``task``'s save committed?  Also when PFS retention has removed it since:
+    its directory is gone and a newer step is committed."""
+    step_dir = Path(task.pfs_step_dir)
     try:
-        return read_manifest(Path(task.pfs_step_dir)) is not None
+        if _committed_save(step_dir, task.save_time):
+            return True
+        return not step_dir.exists() and any(
+            s > task.step for s in committed_steps(step_dir.parent)
+        )
     except (OSError, BBIOError):
         return False
 
@@ -467,56 +584,34 @@ def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) 
     journal.mkdir(parents=True, exist_ok=True)
     lock_fd = os.open(journal / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     deadline = None if timeout is None else time.monotonic() + timeout
-    while True:  # one drainer per journal: wait for (or outlive) any other
-        try:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if not finish:
-                return 0  # another drain is running
-            if deadline is not None and time.monotonic() > deadline:
-                print(f"bbio drain: {journal} is held by another drain", file=sys.stderr)
-                return 1
-            time.sleep(0.2)
+    try:
+        while True:  # one drainer per journal: wait for (or outlive) any other
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not finish:
+                    return 0  # another drain is running
+                if deadline is not None and time.monotonic() > deadline:
+                    print(f"bbio drain: {journal} is held by another drain", file=sys.stderr)
+                    return 1
+                time.sleep(0.2)
+        return _drain(journal, parent, finish, deadline)
+    finally:
+        os.close(lock_fd)  # releases the lock
+
+
+def _drain(journal: Path, parent: int | None, finish: bool, deadline: float | None) -> int:
     retries, backoff = 0, 1.0
     untrimmed: Task | None = None  # the last task drained, while copies wait to be trimmed
     trimmed_at = 0.0
-    awaiting: dict[int, Task] = {}  # drained here, waiting for other nodes to commit
-    committed: list[int] = []  # recently, as far as this drain has seen
-    looked_at, look_pause = 0.0, AWAIT_POLL_SECONDS[0]
-
-    def report(**status: Any) -> None:
-        _write_status(
-            journal,
-            awaiting=sorted(awaiting),
-            committed=committed[-RECENT_COMMITS:],
-            **{"state": "idle", "error": None, "retries": 0, **status},
-        )
-
-    def settle(task: Task, done: bool) -> None:
-        if task.step in committed:  # saved again since
-            committed.remove(task.step)
-        if done:
-            committed.append(task.step)
-        else:
-            awaiting[task.step] = task
-        report()
-
-    report()
+    commits = _Commits(journal)
+    commits.report()
     while True:
+        commits.look()
         tasks = pending(journal)
         if not tasks:
             now = time.monotonic()
-            if awaiting and now - looked_at > look_pause:  # the one poller of the PFS per node
-                seen = [step for step, task in awaiting.items() if _is_committed(task)]
-                for step in seen:
-                    del awaiting[step]
-                    committed.append(step)
-                longer = min(look_pause * 1.5, AWAIT_POLL_SECONDS[1])
-                look_pause = AWAIT_POLL_SECONDS[0] if seen else longer
-                looked_at = now
-                if seen:
-                    report()
             if untrimmed is not None and now - trimmed_at > IDLE_TRIM_SECONDS:
                 if not _trim_after(journal, untrimmed):  # other nodes may have committed since
                     untrimmed = None
@@ -524,31 +619,44 @@ def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) 
             if finish or (journal / STOP).exists() or not _process_alive(parent):
                 if untrimmed is not None:
                     _trim_after(journal, untrimmed)
-                report(state=STOPPED)
+                commits.report(state=STOPPED)
                 return 0
-            next_look = looked_at + look_pause - time.monotonic() if awaiting else POLL_SECONDS
-            time.sleep(min(POLL_SECONDS, max(next_look, 0.001)))
+            time.sleep(min(POLL_SECONDS, max(commits.until_next_look(), 0.001)))
             continue
         task = tasks[0]
         try:
-            report(state="copying", step=task.step, retries=retries)
-            untrimmed = task if _process(journal, task, settle) else None
+            commits.report(state="copying", step=task.step, retries=retries)
+            untrimmed = task if _process(journal, task, commits) else None
             trimmed_at = time.monotonic()
-            looked_at, look_pause = trimmed_at, AWAIT_POLL_SECONDS[0]
+            commits.restart_looking()
             retries, backoff = 0, 1.0
-        except (BBIOError, OSError) as exc:
+        except Exception as exc:  # the drain outlives any one failure, and says why
             retries += 1
-            message = str(
-                exc if isinstance(exc, BBIOError) else from_oserror(exc, "drain", task.target)
-            )
-            report(state="retrying", step=task.step, error=message, retries=retries)
+            message = _describe_failure(exc, task)
+            commits.report(state="retrying", step=task.step, error=message, retries=retries)
             print(f"bbio drain: {message} (retry {retries} in {backoff:.0f} s)", file=sys.stderr)
             if deadline is not None and time.monotonic() + backoff > deadline:
                 return 1
-            time.sleep(backoff)
+            _sleep_looking(backoff, commits)
             backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
         if deadline is not None and time.monotonic() > deadline:
             return 1
+
+
+def _describe_failure(exc: Exception, task: Task) -> str:
+    if isinstance(exc, BBIOError):
+        return str(exc)
+    if isinstance(exc, OSError):
+        return str(from_oserror(exc, "drain", task.target))
+    return f"unexpected {type(exc).__name__} while draining {task.target}: {exc}"
+
+
+def _sleep_looking(seconds: float, commits: _Commits) -> None:
+    """Sleep ``seconds``, still looking for other nodes' commits meanwhile."""
+    end = time.monotonic() + seconds
+    while (left := end - time.monotonic()) > 0:
+        time.sleep(min(left, max(commits.until_next_look(), POLL_SECONDS)))
+        commits.look()
 
 
 def journals(bb_root: Path) -> Iterable[Path]:

@@ -73,17 +73,18 @@ def merge_descriptions(descriptions: list[dict[str, Any]], where: Path) -> dict[
     """The whole checkpoint from its node files' descriptions (node order).
 
     Raises :class:`IntegrityError` (naming ``where``) if the nodes' files are
-    of different steps.
+    not of one save (their step, time, rank count or layout differ).
     """
     first = descriptions[0]
     for description in descriptions[1:]:
-        if description["step"] != first["step"]:
-            raise IntegrityError(
-                f"node {description['node']}'s file is of step {description['step']}, "
-                f"node {first['node']}'s of step {first['step']}",
-                path=where,
-                hint="a stale record is left from an earlier save of this step; save it again",
-            )
+        for key in ("step", "time", "ranks", "layout"):
+            if description[key] != first[key]:
+                raise IntegrityError(
+                    f"the node files are not of one save: node {description['node']}'s has "
+                    f"{key} {description[key]}, node {first['node']}'s {first[key]}",
+                    path=where,
+                    hint="save the step again; its drain then copies every node's file anew",
+                )
     rank_nodes: dict[int, int] = {}
     datasets = []
     for description in descriptions:

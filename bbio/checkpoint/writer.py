@@ -21,6 +21,7 @@ from bbio import _native
 from bbio._version import __version__
 from bbio.checkpoint.layout import GLOBAL, Shard, check_key, rank_dataset
 from bbio.errors import DependencyError, UsageError
+from bbio.mpi import agreed
 from bbio.transfer import files
 
 
@@ -79,7 +80,11 @@ def write_node_file(
     """
     h5py = _h5py()
     temp = files.temp_path(path)
-    with h5py.File(temp, "w", driver="mpio", comm=node_comm) as f:
+    # the agreement is also the barrier after which rank 0 makes the file durable
+    with (
+        agreed(node_comm, f"writing {path}"),
+        h5py.File(temp, "w", driver="mpio", comm=node_comm) as f,
+    ):
         for name, value in attrs.items():
             f.attrs[name] = value
         for owner, owner_spec in node_specs:
@@ -95,7 +100,6 @@ def write_node_file(
             data = value.data if isinstance(value, Shard) else np.asarray(value)
             if data.size:
                 f[rank_dataset(key, rank)][...] = data
-    node_comm.Barrier()  # every rank's bytes are written: rank 0 makes the file durable
     if node_comm.Get_rank() != 0:
         return 0
     fd = os.open(temp, os.O_RDONLY)

@@ -114,7 +114,7 @@ def _shard_arrays(path: Path, data_offset: int) -> tuple[np.ndarray, np.ndarray]
 
 
 def _packed_layout(
-    comm, node: int, is_leader: bool, root: Path, staged: Path | None, config
+    comm, node: int, is_leader: bool, root: Path, staged: Path | None, bb_dir: Path
 ) -> Layout:
     """Collective over ``comm``: a pack's extent table.
 
@@ -130,7 +130,7 @@ def _packed_layout(
             shards = read_index(staged if index_from else root)
     shards = comm.bcast(shards, root=index_from[0] if index_from else 0)
     files = [str(root / s.file) for s in shards]
-    local = _local_copies(config, node, files)
+    local = _local_copies(bb_dir, node, files)
     holders = comm.allgather(sorted(local) if is_leader else [])
     reader = {}
     for r, held in enumerate(holders):
@@ -247,11 +247,10 @@ def _directory_layout(comm, root: Path, staged: Path | None) -> Layout:
     )
 
 
-def _local_copies(config: Config, node: int, files: Sequence[str]) -> dict[int, str]:
-    """The files this node's burst buffer holds: {file index: local path}."""
+def _local_copies(bb_dir: Path, node: int, files: Sequence[str]) -> dict[int, str]:
+    """The files node ``node``'s burst buffer ``bb_dir`` holds: {file index: local path}."""
     found: dict[int, str] = {}
     manifests: dict[Path, dict] = {}
-    bb_dir = config.bb_dir(node)
     for i, name in enumerate(files):
         hit = registry.lookup(bb_dir, Path(name))
         if hit is None:
@@ -268,8 +267,8 @@ def _local_copies(config: Config, node: int, files: Sequence[str]) -> dict[int, 
     return found
 
 
-def _staged_root(config: Config, node: int, path: Path) -> Path | None:
-    hit = registry.lookup(config.bb_dir(node), path)
+def _staged_root(bb_dir: Path, path: Path) -> Path | None:
+    hit = registry.lookup(bb_dir, path)
     if hit is None:
         return None
     source, destination = hit
@@ -656,9 +655,10 @@ def open_dataset(
 
 def _open(comm, path, dataset, record_bytes, sample_shape, dtype, header_bytes, config) -> Dataset:
     topo = topology(comm, config.ranks_per_node)
-    node, is_leader = topo.node, topo.is_leader
+    node, is_leader, nodes_on_host = topo.node, topo.is_leader, topo.nodes_on_host
     topo.free()
-    staged = _staged_root(config, node, path)
+    bb_dir = config.node_dir(config.bb_root, node, nodes_on_host)
+    staged = _staged_root(bb_dir, path)
     source = _either(path, staged)
     with agreed(comm, f"opening the dataset {path}"):
         if not source.exists():
@@ -676,7 +676,7 @@ def _open(comm, path, dataset, record_bytes, sample_shape, dtype, header_bytes, 
     if kind == "directory":
         layout = _directory_layout(comm, path, staged)
     elif kind == "packed":
-        layout = _packed_layout(comm, node, is_leader, path, staged, config)
+        layout = _packed_layout(comm, node, is_leader, path, staged, bb_dir)
     else:
         layout = None
         with agreed(comm, f"opening the dataset {path}"):
@@ -688,7 +688,7 @@ def _open(comm, path, dataset, record_bytes, sample_shape, dtype, header_bytes, 
                         path, source, record_bytes, sample_shape, dtype, header_bytes
                     )
         layout = comm.bcast(layout, root=0)
-    local = _local_copies(config, node, layout.files)
+    local = _local_copies(bb_dir, node, layout.files)
     return Dataset(comm, layout, local, config)
 
 

@@ -124,7 +124,6 @@ def copy_direct(
         outcome.source_bytes_read += result.nbytes
         progress.add(result.nbytes, int(piece.offset == 0))
         progress.update()
-    progress.finish()
     return outcome
 
 
@@ -268,7 +267,6 @@ def copy_broadcast(
 
     outcome = Outcome()
     if columns.comm is None:
-        progress.finish()
         return outcome
     parts = partition(pieces, nodes * columns.count)
     schedules = [
@@ -301,5 +299,4 @@ def copy_broadcast(
                 sender,
             )
         progress.update()
-    progress.finish()
     return outcome

@@ -2,7 +2,8 @@
 
 The ranks add up their counters with non-blocking allreduces, started in the
 same order on every rank but whenever each rank is ready, so nobody waits for
-the report.
+the report.  They run on a duplicate of the communicator, so a transfer may run
+other collectives (rounds, agreements) while a report is in flight.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class Progress:
         setting: str = "auto",
         interval: float = 0.5,
     ) -> None:
-        self.comm = comm
+        self.comm = comm.Dup()
         self.label = label
         self.total_bytes = total_bytes
         self.total_files = total_files
@@ -101,6 +102,7 @@ class Progress:
         while not self.update(done=True):
             if self._request is not None:
                 self._request.Wait()
+        self.comm.Free()
         if self.stream:
             self.stream.write("\r\033[K")
             self.stream.flush()

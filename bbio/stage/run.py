@@ -253,6 +253,10 @@ def _copy_loop(
     sizes = allgather_dict(comm, {e.path: e.size for e in todo})
     mine = {e.path: e for e in todo}
     copied = _Copied()
+    total, total_files = sum_over_ranks(
+        comm, *((plan.bytes_needed(todo), len(todo)) if topo.is_leader else (0, 0))
+    )
+    progress = Progress(comm, label, total, total_files, config.progress)
     for paths in plan.commit_rounds(sizes, config.stage_round_bytes):
         part = _copy_round(
             comm,
@@ -265,11 +269,13 @@ def _copy_loop(
             broadcast,
             skip_unreadable,
             skipped,
+            progress,
         )
         copied.crcs.update(part.crcs)
         copied.files += part.files
         copied.bytes_written += part.bytes_written
         copied.source_bytes_read += part.source_bytes_read
+    progress.finish()
     return copied
 
 
@@ -284,6 +290,7 @@ def _copy_round(
     broadcast: bool,
     skip_unreadable: bool,
     skipped: list[Skipped],
+    progress: Progress,
 ) -> _Copied:
     """Collective over ``comm``: copy and commit this node's ``todo`` files, retrying changes.
 
@@ -308,15 +315,11 @@ def _copy_round(
             pieces = plan.split_pieces(node_files, config.chunk_size)
             by_rank = plan.partition(pieces, topo.node_comm.Get_size())
             owner = plan.owners(by_rank)
-        total, total_files = sum_over_ranks(
-            comm, *((plan.bytes_needed(node_files), len(node_files)) if topo.is_leader else (0, 0))
-        )
         with agreed(comm, f"{label}: preparing temporary files"):
             me = topo.node_comm.Get_rank()
             for e in node_files:
                 if owner[e.path] == me and (broadcast or e.size > config.chunk_size):
                     files.prepare(dst_root / e.path, e.size)
-        progress = Progress(comm, label, total, total_files, config.progress)
         outcome = Outcome()
         with agreed(comm, f"{label}: copying"):
             if broadcast:
@@ -481,6 +484,7 @@ def stage_in(
 
 def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreadable, config, start):
     dst_root = config.node_dir(dst, topo.node, topo.nodes_on_host)
+    bb_dir = config.node_dir(config.bb_root, topo.node, topo.nodes_on_host)  # its registry
     tree = walk(comm, src, include, exclude)
     problems = check_readable(tree, skip_unreadable, str(src))
     entries = _without(tree.entries, {p.path for p in problems})
@@ -562,7 +566,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
                     },
                 ),
             )
-            registry.record(config.bb_dir(topo.node), src, dst_root)
+            registry.record(bb_dir, src, dst_root)
     seconds = comm.allreduce(time.monotonic() - start, op=_max())
     totals = sum_over_ranks(
         comm,
