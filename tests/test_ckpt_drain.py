@@ -168,3 +168,16 @@ def test_a_manifest_of_an_older_save_is_replaced(tmp_path):
     files.write_json_atomic(drain.manifest_path(pfs_step), stale)  # a late old committer
     assert drain.try_commit(pfs_step, 2) is True
     assert drain.read_manifest(pfs_step)["time"] == 2.5
+
+
+def test_a_commit_lock_just_created_by_another_node_is_waited_for_not_an_error(tmp_path):
+    j0, j1 = _two_node_save(tmp_path / "bb", 7, 1.5)
+    pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
+    assert drain.run(j0, None, finish=True, timeout=60) == 0
+    (pfs_step / drain.COMMIT_LOCK).touch()  # created, its owner not yet written into it
+    assert drain.run(j1, None, finish=True, timeout=60) == 0
+    status = drain.read_status(j1)
+    assert (status["error"], status["awaiting"]) == (None, [7])
+    assert drain.read_manifest(pfs_step) is None  # the lock's owner commits
+    (pfs_step / drain.COMMIT_LOCK).unlink()
+    assert drain.try_commit(pfs_step, 2) is True

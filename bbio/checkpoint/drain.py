@@ -246,7 +246,12 @@ def _commit_reading_back(temp: Path, final: Path) -> tuple[int, int]:
 
 
 def _lock_is_stale(lock: Path) -> bool:
-    info = files.read_json(lock) or {}
+    """Is the commit lock left by a committer that died?  A lock still empty (its
+    owner created it and is writing who it is) or unreadable is judged by its age."""
+    try:
+        info = files.read_json(lock) or {}
+    except BBIOError:
+        info = {}
     if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
         try:
             os.kill(info["pid"], 0)
