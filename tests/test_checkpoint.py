@@ -287,6 +287,27 @@ def test_resaving_a_step_replaces_it(comm, shared_tmp):
         assert step == 4 and same(arrays, state(40, rank))
 
 
+def test_a_new_job_saving_a_committed_step_again_replaces_it(comm, shared_tmp):
+    rank = comm.Get_rank()
+    with bbio.Checkpointer(comm, "rerun", config=config_for(comm, shared_tmp)) as ckpt:
+        ckpt.save(4, state(4, rank)).wait(timeout=60)
+    pfs_step = shared_tmp / "pfs" / "ckpt" / "rerun" / "step-00000004"
+    first = json.loads((pfs_step / "manifest.json").read_text())
+    # the next job runs on other nodes: fresh burst buffers, the same PFS
+    fresh = config_for(comm, shared_tmp, bb_root=str(shared_tmp / "bb2" / "{node}"))
+    with bbio.Checkpointer(comm, "rerun", config=fresh) as ckpt:
+        ckpt.save(4, state(40, rank)).wait(timeout=60)
+        step, arrays, _ = ckpt.restore()
+        assert step == 4 and same(arrays, state(40, rank))
+        assert ckpt.last_restore_tier == "bb"
+    manifest = json.loads((pfs_step / "manifest.json").read_text())
+    assert manifest["time"] > first["time"]
+    third = config_for(comm, shared_tmp, bb_root=str(shared_tmp / "bb3" / "{node}"))
+    with bbio.Checkpointer(comm, "rerun", config=third) as ckpt:  # no BB copy: the PFS one
+        step, arrays, _ = ckpt.restore()
+        assert step == 4 and same(arrays, state(40, rank)) and ckpt.last_restore_tier == "pfs"
+
+
 def test_virtual_nodes_sharing_one_burst_buffer_are_refused(comm, shared_tmp):
     config = config_for(comm, shared_tmp)
     with pytest.raises(bbio.ConfigError, match="virtual nodes") as info:
