@@ -142,9 +142,11 @@ def agreed(comm, what: str) -> Iterator[None]:
     If the block raises on any rank, every rank raises the same error, naming
     the failing rank and its message (the local exception is chained as the
     cause).  No rank is left waiting: the agreement is one small allreduce that
-    every rank reaches, failed or not (then, only after a failure, an allgather
-    of the messages), so the block itself must not enter a collective after a
-    local failure could have happened on another rank.
+    every rank reaches, failed or not (then, only after a failure, an
+    allgather of the messages), so the block itself must not enter a
+    collective after a local failure could have happened on another rank.
+    The allreduce is waited for without spinning (:func:`wait_quietly`): ranks
+    that finish first leave the CPU to the others and to file system daemons.
     """
     local: Exception | None = None
     try:
@@ -152,7 +154,7 @@ def agreed(comm, what: str) -> Iterator[None]:
     except Exception as exc:
         local = exc
     failed = np.array([local is not None], dtype=np.int32)
-    comm.Allreduce(_mpi().IN_PLACE, failed, op=_mpi().MAX)
+    wait_quietly(comm.Iallreduce(_mpi().IN_PLACE, failed, op=_mpi().MAX))
     if not failed[0]:
         return
     outcome = None if local is None else _describe(local)
