@@ -327,14 +327,9 @@ class Dataset:
         ids; ids may repeat.  An id out of range raises the same
         :class:`UsageError` on every rank.
         """
-        from mpi4py import MPI
 
         mine = np.ascontiguousarray(indices, dtype=np.int64).reshape(-1)
-        counts = np.zeros(self.comm.Get_size(), dtype=np.int64)
-        self.comm.Allgather(np.array([mine.size], dtype=np.int64), counts)
-        everyone = np.empty(int(counts.sum()), dtype=np.int64)
-        self.comm.Allgatherv(mine, [everyone, counts, _displs(counts), MPI.INT64_T])
-        return self.read_planned(np.split(everyone, np.cumsum(counts)[:-1]))
+        return self.read_planned(self.comm.allgather(mine))  # one collective
 
     def read_planned(self, requests: Sequence[np.ndarray]) -> np.ndarray | list[np.ndarray]:
         """Collective over the dataset's communicator: like :meth:`read`, with every
@@ -615,10 +610,6 @@ class Dataset:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _displs(counts: np.ndarray) -> np.ndarray:
-    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
 
 
 def open_dataset(
