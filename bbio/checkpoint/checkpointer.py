@@ -141,15 +141,19 @@ class Checkpointer:
             raise UsageError(f"backpressure must be queue, block or skip, got {policy!r}")
         self.name, self.keep_bb, self.keep_pfs, self.backpressure = name, keep_bb, keep_pfs, policy
         self.verify = config.ckpt_verify
-        rpn = config.ranks_per_node
-        nodes_on_host = -(-comm.Get_size() // rpn) if rpn else 1
-        config.node_dir(bb_root or config.bb_root, 0, nodes_on_host)  # refused before any MPI
         self.comm = comm.Dup()
         self.topo = topology(self.comm, config.ranks_per_node)
+        try:  # the same ConfigError on every rank: nothing to leak
+            bb_node_dir = config.node_dir(
+                bb_root or config.bb_root, self.topo.node, self.topo.nodes_on_host
+            )
+        except BBIOError:
+            self.topo.free()
+            self.comm.Free()
+            raise
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.node, self.nodes = self.topo.node, self.topo.nodes
         self.node_ranks = self.topo.node_comm.allgather(self.rank)
-        bb_node_dir = config.node_dir(bb_root or config.bb_root, self.node, self.topo.nodes_on_host)
         self.bb_dir = bb_node_dir / layout.CKPT_DIR / name
         self.pfs_dir = (
             (config.expand(pfs_root) if pfs_root else config.pfs_dir()) / layout.CKPT_DIR / name
@@ -259,8 +263,7 @@ class Checkpointer:
         """A node leader: does this node's burst buffer hold anything of ``step``?"""
         name = layout.step_dirname(step)
         return drain.task_path(self.journal, step).exists() or any(
-            (self.bb_dir / name / stale).exists()
-            for stale in (layout.node_record_name(self.node), layout.node_filename(self.node))
+            (self.bb_dir / name / stale).exists() for stale in layout.node_copy_names(self.node)
         )
 
     def _replace(self, step: int) -> None:
@@ -278,7 +281,7 @@ class Checkpointer:
                     (pfs_step / layout.node_record_name(n)).unlink(missing_ok=True)
             if self.topo.is_leader:
                 drain.task_path(self.journal, step).unlink(missing_ok=True)
-                for stale in (layout.node_record_name(self.node), layout.node_filename(self.node)):
+                for stale in layout.node_copy_names(self.node):
                     (self.bb_dir / name / stale).unlink(missing_ok=True)
                 (self.bb_dir / name).mkdir(parents=True, exist_ok=True)  # if trimmed meanwhile
 

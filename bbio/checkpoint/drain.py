@@ -422,7 +422,7 @@ def trim_bb(bb_ckpt_dir: Path, node: int, keep: int, pfs_ckpt_dir: Path, journal
         if not drained or step in queued or not any(done >= step for done in committed):
             left += 1
             continue
-        for stale in (layout.node_record_name(node), layout.node_filename(node)):
+        for stale in layout.node_copy_names(node):
             try:
                 (step_dir / stale).unlink(missing_ok=True)
             except OSError as exc:

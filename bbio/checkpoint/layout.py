@@ -76,6 +76,11 @@ def node_record_name(node: int) -> str:
     return f"node-{node:05d}.json"
 
 
+def node_copy_names(node: int) -> tuple[str, str]:
+    """A node's copy of a step in one tier: its record, then its file."""
+    return node_record_name(node), node_filename(node)
+
+
 def nodes_in(step_dir) -> list[int]:
     """The node indexes whose records are in a step directory."""
     found = []

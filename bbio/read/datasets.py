@@ -327,7 +327,6 @@ class Dataset:
         ids; ids may repeat.  An id out of range raises the same
         :class:`UsageError` on every rank.
         """
-
         mine = np.ascontiguousarray(indices, dtype=np.int64).reshape(-1)
         return self.read_planned(self.comm.allgather(mine))  # one collective
 

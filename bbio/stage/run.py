@@ -18,6 +18,7 @@ import stat
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from bbio import _native
 from bbio.config import Config, load_config
@@ -232,45 +233,38 @@ def _commit_node(
     return crcs, changed
 
 
-def _copy_loop(
-    comm,
-    topo: Topology,
-    config: Config,
-    label: str,
-    src_root: Path,
-    dst_root: Path,
-    todo: list[Entry],
-    broadcast: bool,
-    skip_unreadable: bool,
-    skipped: list[Skipped],
-) -> _Copied:
-    """Collective over ``comm``: copy and commit this node's ``todo`` files, in rounds.
+@dataclasses.dataclass
+class _Transfer:
+    """What every round of one copy shares: where from, where to, how, and what was skipped."""
+
+    comm: Any
+    topo: Topology
+    config: Config
+    label: str
+    src_root: Path
+    dst_root: Path
+    broadcast: bool  # replicate across nodes (src_root is shared), else each node copies its own
+    skip_unreadable: bool
+    skipped: list[Skipped]
+
+
+def _copy_loop(job: _Transfer, todo: list[Entry]) -> _Copied:
+    """Collective over ``job.comm``: copy and commit this node's ``todo`` files, in rounds.
 
     Every node takes the same rounds (:func:`plan.commit_rounds` of all nodes'
     files), each copied and committed before the next starts, so a run killed
     midway keeps every round it finished.
     """
+    comm, topo = job.comm, job.topo
     sizes = allgather_dict(comm, {e.path: e.size for e in todo})
     mine = {e.path: e for e in todo}
     copied = _Copied()
     total, total_files = sum_over_ranks(
         comm, *((plan.bytes_needed(todo), len(todo)) if topo.is_leader else (0, 0))
     )
-    progress = Progress(comm, label, total, total_files, config.progress)
-    for paths in plan.commit_rounds(sizes, config.stage_round_bytes):
-        part = _copy_round(
-            comm,
-            topo,
-            config,
-            label,
-            src_root,
-            dst_root,
-            [mine[p] for p in paths if p in mine],
-            broadcast,
-            skip_unreadable,
-            skipped,
-            progress,
-        )
+    progress = Progress(comm, job.label, total, total_files, job.config.progress)
+    for paths in plan.commit_rounds(sizes, job.config.stage_round_bytes):
+        part = _copy_round(job, [mine[p] for p in paths if p in mine], progress)
         copied.crcs.update(part.crcs)
         copied.files += part.files
         copied.bytes_written += part.bytes_written
@@ -279,24 +273,11 @@ def _copy_loop(
     return copied
 
 
-def _copy_round(
-    comm,
-    topo: Topology,
-    config: Config,
-    label: str,
-    src_root: Path,
-    dst_root: Path,
-    todo: list[Entry],
-    broadcast: bool,
-    skip_unreadable: bool,
-    skipped: list[Skipped],
-    progress: Progress,
-) -> _Copied:
-    """Collective over ``comm``: copy and commit this node's ``todo`` files, retrying changes.
-
-    ``broadcast``: replicate across nodes (``src_root`` is shared); otherwise each
-    node's ranks copy their node's list directly.
-    """
+def _copy_round(job: _Transfer, todo: list[Entry], progress: Progress) -> _Copied:
+    """Collective over ``job.comm``: copy and commit this node's ``todo`` files, retrying
+    changes."""
+    comm, topo, config, label = job.comm, job.topo, job.config, job.label
+    src_root, dst_root, broadcast = job.src_root, job.dst_root, job.broadcast
     copied = _Copied()
     entries = {e.path: e for e in todo}
     for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -365,18 +346,20 @@ def _copy_round(
             message = f"{len(all_changed)} file(s) kept changing while being copied: " + ", ".join(
                 all_changed[:20]
             )
-            if not skip_unreadable:
+            if not job.skip_unreadable:
                 raise IntegrityError(
                     message,
                     hint="stop what writes to them, or pass --skip-unreadable to skip them",
                 )
-            skipped.extend(Skipped(p, "kept changing while being copied") for p in all_changed)
+            job.skipped.extend(Skipped(p, "kept changing while being copied") for p in all_changed)
             for path in changed:
                 files.temp_path(dst_root / path).unlink(missing_ok=True)
             break
         time.sleep(RETRY_BACKOFF_SECONDS * attempt)
         fresh = _refresh(topo.node_comm, src_root, sorted(changed))
-        skipped.extend(Skipped(p, "removed during the copy") for p in sorted(changed - set(fresh)))
+        job.skipped.extend(
+            Skipped(p, "removed during the copy") for p in sorted(changed - set(fresh))
+        )
         if comm.Get_rank() == 0:
             log.info("%s: %d file(s) changed while copied; copying again", label, len(all_changed))
         todo = [fresh[p] for p in sorted(changed) if p in fresh]
@@ -510,18 +493,10 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     with agreed(comm, "stage-in: reading the previous manifest"):
         old = files.read_manifest(dst_root)
     broadcast = mode == "replicate" and topo.nodes > 1
-    copied = _copy_loop(
-        comm,
-        topo,
-        config,
-        "stage-in",
-        src,
-        dst_root,
-        [e for e in todo if e.kind == FILE],
-        broadcast,
-        skip_unreadable,
-        skipped,
+    job = _Transfer(
+        comm, topo, config, "stage-in", src, dst_root, broadcast, skip_unreadable, skipped
     )
+    copied = _copy_loop(job, [e for e in todo if e.kind == FILE])
     links = 0
     with agreed(comm, "stage-in: creating symlinks and setting directory times"):
         if topo.is_leader:
@@ -688,18 +663,10 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
     old = None
     with agreed(comm, "stage-out: reading the previous manifest"):
         old = files.read_manifest(dst_root)
-    copied = _copy_loop(
-        comm,
-        topo,
-        config,
-        "stage-out",
-        src_root,
-        dst_root,
-        [e for e in mine if e.kind == FILE],
-        False,
-        skip_unreadable,
-        skipped,
+    job = _Transfer(
+        comm, topo, config, "stage-out", src_root, dst_root, False, skip_unreadable, skipped
     )
+    copied = _copy_loop(job, [e for e in mine if e.kind == FILE])
     links = 0
     with agreed(comm, "stage-out: creating symlinks"):
         if topo.is_leader:
