@@ -94,6 +94,13 @@ class Config:
         "otherwise each rank reads its own samples directly.  0: always aggregate.",
         minimum=0,
     )
+    read_direct_bytes: int = _setting(
+        1 << 20,
+        "Collective reads: when every sample of a dataset is at least this large, each rank "
+        "reads its own samples and no requests are exchanged (one such read is already large "
+        "for the PFS).  0: never.",
+        minimum=0,
+    )
     ckpt_backpressure: str = _setting(
         "queue",
         "A save while earlier checkpoints still drain: queue (default, while the burst "

@@ -136,7 +136,7 @@ def agreed_error(failures: list[tuple[int, str, str]], what: str, size: int) -> 
 
 
 @contextmanager
-def agreed(comm, what: str) -> Iterator[None]:
+def agreed(comm, what: str, totals: np.ndarray | None = None) -> Iterator[None]:
     """Collective over ``comm``: run the block, then make every rank agree on its outcome.
 
     If the block raises on any rank, every rank raises the same error, naming
@@ -147,15 +147,22 @@ def agreed(comm, what: str) -> Iterator[None]:
     collective after a local failure could have happened on another rank.
     The allreduce is waited for without spinning (:func:`wait_quietly`): ranks
     that finish first leave the CPU to the others and to file system daemons.
+    ``totals``, int64 counters the block may fill in, are summed over the
+    ranks in place by the same allreduce.
     """
     local: Exception | None = None
     try:
         yield
     except Exception as exc:
         local = exc
-    failed = np.array([local is not None], dtype=np.int32)
-    wait_quietly(comm.Iallreduce(_mpi().IN_PLACE, failed, op=_mpi().MAX))
-    if not failed[0]:
+    sums = np.zeros(1 + (0 if totals is None else totals.size), dtype=np.int64)
+    sums[0] = local is not None
+    if totals is not None:
+        sums[1:] = totals
+    wait_quietly(comm.Iallreduce(_mpi().IN_PLACE, sums, op=_mpi().SUM))
+    if totals is not None:
+        totals[:] = sums[1:]
+    if not sums[0]:
         return
     outcome = None if local is None else _describe(local)
     outcomes = comm.allgather(outcome)

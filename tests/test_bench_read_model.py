@@ -51,6 +51,7 @@ def _counts(
         max_hole=config.read_max_hole,
         max_read=config.read_max_bytes,
         min_saving=min_saving,
+        direct_bytes=0,  # plan every workload, large samples too
     )
     return independent, aggregated
 
@@ -127,7 +128,8 @@ def test_suite_writes_documented_json_and_plot(tmp_path):
         str(out),
         "--plot",
         str(png),
-        env={"BBIO_READ_MIN_SAVING": "0"},  # always aggregate: the clients are the aggregators
+        # always aggregate, large samples too: the clients are the aggregators
+        env={"BBIO_READ_MIN_SAVING": "0", "BBIO_READ_DIRECT_BYTES": "0"},
     )
     assert result.returncode == 0, result.stderr
     assert "MODEL, not a measurement" in result.stdout
@@ -163,3 +165,32 @@ def test_bbio_model_reads_directly_where_dataset_read_would():
     # always aggregating (min_saving 0) takes the aggregators' plan
     _, aggregated = _counts("resnet50", 64, 100 << 30, min_saving=0.0)
     assert not aggregated.direct and aggregated.clients == 64 // RANKS_PER_NODE
+
+
+def test_bbio_model_reads_large_samples_alone_as_dataset_read_does():
+    workload = WORKLOADS["cosmoflow"]  # 2.8 MiB samples: above read_direct_bytes
+    order = epoch_order((100 << 30) // workload.sample_bytes, 0, 0, True)
+    requests = step_requests(order, 64, workload.batch, 0)
+    config = load_config()
+    settings = dict(ranks_per_node=RANKS_PER_NODE, aggregators_per_node=1, io_threads=8)
+    limits = dict(stripe=1 << 20, max_hole=config.read_max_hole, max_read=config.read_max_bytes)
+    alone = aggregated_counts(
+        requests,
+        order.size,
+        workload.sample_bytes,
+        **settings,
+        **limits,
+        min_saving=0.0,
+        direct_bytes=1 << 20,
+    )
+    assert alone.direct and alone.clients == 64 and alone.requests == 64 * workload.batch
+    planned = aggregated_counts(
+        requests,
+        order.size,
+        workload.sample_bytes,
+        **settings,
+        **limits,
+        min_saving=0.0,
+        direct_bytes=0,
+    )
+    assert not planned.direct and planned.clients == 64 // RANKS_PER_NODE

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 import bbio
@@ -79,6 +80,17 @@ def test_agreed_passes_when_all_succeed(comm):
     with agreed(comm, "nothing"):
         value = comm.Get_rank()
     assert value == comm.Get_rank()
+
+
+def test_agreed_sums_the_counters_the_block_fills_in(comm):
+    totals = np.zeros(2, dtype=np.int64)
+    with agreed(comm, "counting", totals):
+        totals[:] = 1, comm.Get_rank()
+    assert totals.tolist() == [comm.Get_size(), sum(range(comm.Get_size()))]
+    with pytest.raises(bbio.UsageError), agreed(comm, "counting", totals):
+        totals[:] = 1, 1
+        if comm.Get_rank() == 0:
+            raise bbio.UsageError("bad id")
 
 
 def test_wait_all_ranks_times_out_instead_of_hanging(comm):

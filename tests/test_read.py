@@ -70,20 +70,25 @@ def my_ids(comm, seed=0, count=9):
     return ids
 
 
-MODES = {"aggregated": 0, "direct": 100}  # read_min_saving: always aggregate, or never
+MODES = {  # always aggregate; each rank reads its own after planning; or with no exchange at all
+    "aggregated": {"read_min_saving": 0, "read_direct_bytes": 0},
+    "direct": {"read_min_saving": 100, "read_direct_bytes": 0},
+    "alone": {"read_direct_bytes": 1},  # every sample is "large"
+}
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", ["packed", "files"])
 def test_variable_size_layouts(comm, datasets, kind, mode):
     root, sizes, config = datasets
-    config = dataclasses.replace(config, read_min_saving=MODES[mode])
+    config = dataclasses.replace(config, **MODES[mode])
     with bbio.open_dataset(comm, root / kind, config=config) as ds:
         assert len(ds) == SAMPLES and not ds.fixed_size
         ids = my_ids(comm)
         got = ds.read(ids)
         assert [g.tobytes() for g in got] == [expected_variable(i, sizes) for i in ids]
-        assert ds.stats.direct_calls == (mode == "direct")
+        assert ds.reads_alone == (mode == "alone")
+        assert ds.stats.direct_calls == (mode != "aggregated")
         if mode == "aggregated":  # the same samples asked twice are read once
             assert ds.stats.requests < comm.Get_size() * len(ids)
         else:
@@ -94,7 +99,7 @@ def test_variable_size_layouts(comm, datasets, kind, mode):
 @pytest.mark.parametrize("kind", ["hdf5", "raw"])
 def test_fixed_size_layouts(comm, datasets, kind, mode):
     root, _, config = datasets
-    config = dataclasses.replace(config, read_min_saving=MODES[mode])
+    config = dataclasses.replace(config, **MODES[mode])
     if kind == "hdf5":
         ds = bbio.open_dataset(comm, root / "fixed.h5", config=config)
     else:
@@ -111,15 +116,23 @@ def test_fixed_size_layouts(comm, datasets, kind, mode):
         got = ds.read(ids)
         assert got.shape == (len(ids), 64) and got.dtype == np.float32
         assert got.tobytes() == np.stack([expected_fixed(i) for i in ids]).tobytes()  # NaNs too
-        assert ds.stats.direct_calls == (mode == "direct")
+        assert ds.stats.direct_calls == (mode != "aggregated")
+        assert ds.stats.samples == comm.Get_size() * len(ids)
+        if mode != "aggregated":  # one request per sample
+            assert ds.stats.requests == ds.stats.samples
+        mine = set(ids.tolist())  # read alone, a sample asked by two ranks is read twice
+        needed = (
+            comm.allreduce(len(mine))
+            if mode == "alone"
+            else len(set().union(*comm.allgather(mine)))
+        )
+        assert ds.stats.bytes_needed == needed * 256
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_a_rank_with_nothing_to_read_and_samples_larger_than_the_buffer(comm, datasets, mode):
     root, sizes, _ = datasets
-    config = config_for(
-        comm, root.parent, read_max_bytes=64, read_max_hole=0, read_min_saving=MODES[mode]
-    )
+    config = config_for(comm, root.parent, read_max_bytes=64, read_max_hole=0, **MODES[mode])
     with bbio.open_dataset(comm, root / "packed", config=config) as ds:
         ids = [] if comm.Get_rank() == 1 else my_ids(comm, seed=7)
         got = ds.read(ids)
@@ -128,8 +141,10 @@ def test_a_rank_with_nothing_to_read_and_samples_larger_than_the_buffer(comm, da
         assert empty == []
 
 
-def test_out_of_range_and_missing_paths_are_the_same_error_everywhere(comm, datasets):
+@pytest.mark.parametrize("mode", ["aggregated", "alone"])
+def test_out_of_range_and_missing_paths_are_the_same_error_everywhere(comm, datasets, mode):
     root, _, config = datasets
+    config = dataclasses.replace(config, **MODES[mode])
     with bbio.open_dataset(comm, root / "packed", config=config) as ds:
         ids = [SAMPLES + 5] if comm.Get_rank() == comm.Get_size() - 1 else [0]
         with pytest.raises(bbio.UsageError) as info:
@@ -147,7 +162,7 @@ def test_out_of_range_and_missing_paths_are_the_same_error_everywhere(comm, data
 @pytest.mark.parametrize("mode", MODES)
 def test_a_file_that_vanished_after_opening_is_reported_on_every_rank(comm, datasets, mode):
     root, _, config = datasets
-    config = dataclasses.replace(config, read_min_saving=MODES[mode])
+    config = dataclasses.replace(config, **MODES[mode])
     with bbio.open_dataset(comm, root / "files", config=config) as ds:
         comm.Barrier()
         if comm.Get_rank() == 0:
@@ -192,6 +207,7 @@ def test_a_read_failing_in_a_later_round_is_reported_on_every_rank(comm, dataset
 @pytest.mark.parametrize("mode", ["replicate", "shard"])
 def test_staged_copies_are_read_from_the_burst_buffers(comm, datasets, mode):
     root, sizes, config = datasets
+    config = dataclasses.replace(config, read_direct_bytes=1)
     bbio.stage_in(comm, root / "packed", f"{config.bb_root}/packed", mode=mode, config=config)
     comm.Barrier()
     if comm.Get_rank() == 0:  # the PFS copy is gone: only the burst buffers can serve
@@ -201,6 +217,7 @@ def test_staged_copies_are_read_from_the_burst_buffers(comm, datasets, mode):
     comm.Barrier()
     with bbio.open_dataset(comm, root / "packed", config=config) as ds:
         assert ds.local, "this node's burst buffer holds no file of the dataset"
+        assert ds.reads_alone == (mode == "replicate")  # shards must travel between nodes
         ids = my_ids(comm, seed=11, count=20)
         got = ds.read(ids)
         assert [g.tobytes() for g in got] == [expected_variable(i, sizes) for i in ids]

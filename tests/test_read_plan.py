@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 
 from bbio.read import sampler
-from bbio.read.plan import Extents, Holders, aggregation_pays, make_plan, split_rounds
+from bbio.read.plan import (
+    Extents,
+    Holders,
+    aggregation_pays,
+    make_plan,
+    reads_alone,
+    split_rounds,
+)
 
 
 def fake_files(sizes, seed=0):
@@ -303,3 +310,16 @@ def test_drop_last_gives_full_batches_only_and_the_shuffle_depends_on_seed_and_e
     assert np.array_equal(first, sampler.epoch_order(103, 1, 0, True))
     assert not np.array_equal(first, sampler.epoch_order(103, 1, 1, True))
     assert not np.array_equal(first, sampler.epoch_order(103, 2, 0, True))
+
+
+def test_ranks_read_alone_only_large_samples_that_need_not_travel():
+    files = fake_files([50_000, 50_000])
+    extents = fixed_extents(files, 500)
+    pfs = Holders.none(2, 2)
+    assert reads_alone(extents, pfs, 500) and not reads_alone(extents, pfs, 501)
+    assert not reads_alone(extents, pfs, 0)  # 0: never
+    assert reads_alone(extents, Holders.from_sets(2, 2, [[0, 1], [0, 1]]), 500)  # replicated
+    assert not reads_alone(extents, Holders.from_sets(2, 2, [[0], [1]]), 500)  # sharded
+    assert not reads_alone(Extents(*(np.zeros(0, dtype=t) for t in "iqq")), pfs, 1)  # empty
+    varied = Extents(np.zeros(3, np.int32), np.array([0, 600, 1300]), np.array([600, 700, 499]))
+    assert reads_alone(varied, Holders.none(2, 1), 499) and not reads_alone(varied, pfs, 500)

@@ -25,9 +25,10 @@ functions ``epoch_batches`` is made of, with ``drop_last=True``, as the
   ``--stripe`` (Lustre's default 1 MiB).  Requests are the plan's reads,
   clients the aggregators that issue any, ``io_threads`` requests in flight per
   client (bbio's batched reader), bytes the plan's (holes included).  Where
-  :func:`bbio.read.plan.aggregation_pays` says no (``read_min_saving``), it
-  models ``Dataset.read``'s direct path instead: every rank reads its own
-  samples, ``io_threads`` in flight.  The extent
+  :func:`bbio.read.plan.reads_alone` says yes (samples of at least
+  ``read_direct_bytes``) or :func:`bbio.read.plan.aggregation_pays` says no
+  (``read_min_saving``), it models ``Dataset.read``'s direct path instead:
+  every rank reads its own samples, ``io_threads`` in flight.  The extent
   table handed to the planner holds only the step's samples (it reads no other
   row), so a 43-million-sample dataset needs no 1 GB table.
 
@@ -68,7 +69,7 @@ from bbio.bench.plot import pyplot
 from bbio.bench.read import WORKLOADS, Workload
 from bbio.config import load_config
 from bbio.errors import UsageError
-from bbio.read.plan import Extents, Holders, aggregation_pays, make_plan
+from bbio.read.plan import Extents, Holders, aggregation_pays, make_plan, reads_alone
 from bbio.read.sampler import epoch_order, rank_indices, steps_per_epoch
 from bbio.report import format_bytes, format_table
 
@@ -165,9 +166,11 @@ def aggregated_counts(
     max_hole: int,
     max_read: int,
     min_saving: float,
+    direct_bytes: int,
 ) -> Counts:
     """What ``Dataset.read`` does for ``requests`` on a raw file of ``samples`` records:
-    the aggregators' plan, or direct reads when aggregating would not pay."""
+    the aggregators' plan, or direct reads when the samples are large or aggregating
+    would not pay."""
     ranks = len(requests)
     counts = [ids.size for ids in requests]
     ids = np.concatenate(requests).astype(np.int64)
@@ -179,6 +182,11 @@ def aggregated_counts(
         ids * sample_bytes,
         np.full(ids.size, sample_bytes, dtype=np.int64),
     )
+    needed = int(np.unique(ids).size) * sample_bytes
+    holders = Holders.none(rank_node[-1] + 1, 1)
+    readers = sum(1 for c in counts if c)
+    if reads_alone(extents, holders, direct_bytes):  # Dataset.read's exchange-free path
+        return Counts(ids.size, readers, io_threads, ids.size * sample_bytes, needed, direct=True)
     plan = make_plan(
         np.repeat(np.arange(ranks), counts),
         np.concatenate([np.arange(c) for c in counts]),
@@ -186,19 +194,16 @@ def aggregated_counts(
         extents,
         rank_node,
         aggregators,
-        Holders.none(rank_node[-1] + 1, 1),
+        holders,
         [samples * sample_bytes],
         stripe,
         max_hole,
         max_read,
     )
-    needed = int(np.unique(ids).size) * sample_bytes
     req_rank = np.repeat(np.arange(ranks), counts)
-    holders = Holders.none(rank_node[-1] + 1, 1)
     if not aggregation_pays(
         plan, req_rank, np.arange(ids.size), extents, rank_node, holders, min_saving
     ):  # Dataset.read's direct path: each rank reads its own samples, io_threads in flight
-        readers = sum(1 for c in counts if c)
         return Counts(ids.size, readers, io_threads, ids.size * sample_bytes, needed, direct=True)
     clients = int(np.unique(plan.read_agg).size)
     return Counts(plan.requests_issued, clients, io_threads, plan.bytes_read, needed)
@@ -385,6 +390,7 @@ def run(ctx: BenchContext) -> None:
         "max_hole": config.read_max_hole,
         "max_read": config.read_max_bytes,
         "min_saving": config.read_min_saving / 100,
+        "direct_bytes": config.read_direct_bytes,
     }
     ctx.log(
         f"{LABEL}: latency {args.latency_us:g} us, bandwidth {args.bandwidth_gbs:g} GB/s, "

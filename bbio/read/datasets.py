@@ -48,6 +48,7 @@ from bbio.read.plan import (
     Rounds,
     aggregation_pays,
     make_plan,
+    reads_alone,
     split_rounds,
 )
 from bbio.stage import registry
@@ -307,6 +308,7 @@ class Dataset:
         self.stripe = config.stripe_size or comm.bcast(
             _stripe_size(self._path(0)) if comm.Get_rank() == 0 and layout.files else 4096
         )
+        self.reads_alone = reads_alone(layout.extents, self.holders, config.read_direct_bytes)
         self._fds: dict[int, int] = {}
         self._reader: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -325,9 +327,16 @@ class Dataset:
         Returns an array of shape ``(len(indices), *sample_shape)`` for
         fixed-size samples, else a list of uint8 arrays.  A rank may pass no
         ids; ids may repeat.  An id out of range raises the same
-        :class:`UsageError` on every rank.
+        :class:`UsageError` on every rank.  When every sample is large
+        (``read_direct_bytes``), each rank reads its own and the ranks only
+        agree on the outcome; otherwise the requests are exchanged first.
         """
         mine = np.ascontiguousarray(indices, dtype=np.int64).reshape(-1)
+        if self.reads_alone:
+            totals = np.zeros(4, dtype=np.int64)  # samples, requests, bytes read, bytes needed
+            out = self._read_direct(mine, totals)
+            self._add_counts(*totals.tolist(), direct=True)
+            return out
         return self.read_planned(self.comm.allgather(mine))  # one collective
 
     def read_planned(self, requests: Sequence[np.ndarray]) -> np.ndarray | list[np.ndarray]:
@@ -341,49 +350,59 @@ class Dataset:
         direct path one agreement does the same.
         """
         rank = self.comm.Get_rank()
-        n = len(self)
         requests = [np.asarray(ids, dtype=np.int64).reshape(-1) for ids in requests]
         for r, ids in enumerate(requests):
-            wrong = ids[(ids < 0) | (ids >= n)]
-            if wrong.size:
-                raise UsageError(
-                    f"sample id {int(wrong[0])} (asked by rank {r}) is out of range: "
-                    f"the dataset has {n} samples",
-                    hint="ids go from 0 to len(dataset) - 1",
-                )
+            self._check_ids(ids, r)
         counts = [ids.size for ids in requests]
-        plan = make_plan(
-            np.repeat(np.arange(len(requests)), counts),
-            np.concatenate([np.arange(c) for c in counts]),
-            np.concatenate(requests),
-            self.layout.extents,
-            self.rank_node,
-            self.aggregators,
-            self.holders,
-            self.layout.file_sizes,
-            self.stripe,
-            self.config.read_max_hole,
-            self.config.read_max_bytes,
-        )
         req_rank = np.repeat(np.arange(len(requests)), counts)
         everything = np.concatenate(requests)
-        if not aggregation_pays(
-            plan,
-            req_rank,
-            everything,
-            self.layout.extents,
-            self.rank_node,
-            self.holders,
-            self.config.read_min_saving / 100,
-        ):
-            out = self._read_direct(requests[rank])
-            lengths = self.layout.extents.length[everything]
-            self._count(requests, int(everything.size), int(lengths.sum()), direct=True)
-            return out
+        if not self.reads_alone:
+            plan = make_plan(
+                req_rank,
+                np.concatenate([np.arange(c) for c in counts]),
+                everything,
+                self.layout.extents,
+                self.rank_node,
+                self.aggregators,
+                self.holders,
+                self.layout.file_sizes,
+                self.stripe,
+                self.config.read_max_hole,
+                self.config.read_max_bytes,
+            )
+            if aggregation_pays(
+                plan,
+                req_rank,
+                everything,
+                self.layout.extents,
+                self.rank_node,
+                self.holders,
+                self.config.read_min_saving / 100,
+            ):
+                out = self._read_aggregated(plan, counts[rank])
+                self._count(requests, plan.requests_issued, plan.bytes_read)
+                return out
+        out = self._read_direct(requests[rank])
+        lengths = self.layout.extents.length[everything]
+        self._count(requests, int(everything.size), int(lengths.sum()), direct=True)
+        return out
+
+    def _check_ids(self, ids: np.ndarray, rank: int) -> None:
+        wrong = ids[(ids < 0) | (ids >= len(self))]
+        if wrong.size:
+            raise UsageError(
+                f"sample id {int(wrong[0])} (asked by rank {rank}) is out of range: "
+                f"the dataset has {len(self)} samples",
+                hint="ids go from 0 to len(dataset) - 1",
+            )
+
+    def _read_aggregated(self, plan: ReadPlan, count: int) -> np.ndarray | list[np.ndarray]:
+        """Collective: this rank's ``count`` samples, read by the aggregators in rounds."""
+        rank = self.comm.Get_rank()
         agg = plan.aggregators.index(rank) if rank in plan.aggregators else -1
         rounds = split_rounds(plan, self.config.read_round_bytes)
         buffer = np.empty(plan.buffer_bytes(agg) if agg >= 0 else 0, dtype=np.uint8)
-        out = self._output(counts[rank])
+        out = self._output(count)
         failure: Exception | None = None
         reading = self._read_round(plan, agg, buffer, rounds, 0)
         for k in range(rounds.count):
@@ -403,17 +422,24 @@ class Dataset:
                 with agreed(self.comm, "collective read"):
                     if failure is not None:
                         raise failure
-        self._count(requests, plan.requests_issued, plan.bytes_read)
         return out
 
-    def _read_direct(self, ids: np.ndarray) -> np.ndarray | list[np.ndarray]:
+    def _read_direct(
+        self, ids: np.ndarray, totals: np.ndarray | None = None
+    ) -> np.ndarray | list[np.ndarray]:
         """This rank's samples ``ids``, read by itself (``io_threads`` in flight).
 
         Collective only in its agreement: a failure on any rank raises the
-        same error on every rank.
+        same error on every rank.  Given ``totals``, the ids are checked here
+        (no other rank has seen them) and their counters (samples, requests,
+        bytes read, bytes needed) are summed over the ranks by the agreement.
         """
         out = self._output(ids.size)
-        with agreed(self.comm, "collective read"):
+        with agreed(self.comm, "collective read", totals):
+            if totals is not None:
+                self._check_ids(ids, self.comm.Get_rank())
+                length = self.layout.extents.length
+                totals[:] = ids.size, ids.size, length[ids].sum(), length[np.unique(ids)].sum()
             if ids.size == 0:
                 return out
             extents = self.layout.extents
@@ -587,12 +613,19 @@ class Dataset:
         self, requests: Sequence[np.ndarray], issued: int, bytes_read: int, direct: bool = False
     ) -> None:
         ids = np.unique(np.concatenate([np.asarray(r, dtype=np.int64) for r in requests]))
+        samples = int(sum(np.asarray(r).size for r in requests))
+        needed = int(self.layout.extents.length[ids].sum()) if ids.size else 0
+        self._add_counts(samples, issued, bytes_read, needed, direct)
+
+    def _add_counts(
+        self, samples: int, requests: int, bytes_read: int, bytes_needed: int, direct: bool
+    ) -> None:
         self.stats.calls += 1
         self.stats.direct_calls += int(direct)
-        self.stats.samples += int(sum(np.asarray(r).size for r in requests))
-        self.stats.requests += issued
+        self.stats.samples += samples
+        self.stats.requests += requests
         self.stats.bytes_read += bytes_read
-        self.stats.bytes_needed += int(self.layout.extents.length[ids].sum()) if ids.size else 0
+        self.stats.bytes_needed += bytes_needed
 
     def close(self) -> None:
         """Collective: close the files and free the communicator."""

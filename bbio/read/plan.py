@@ -268,6 +268,23 @@ def split_rounds(plan: ReadPlan, round_bytes: int, max_rounds: int = 8) -> Round
     return Rounds(read_round, req_round, count)
 
 
+def reads_alone(extents: Extents, holders: Holders, direct_bytes: int) -> bool:
+    """Can every rank read its own samples, with no requests or bytes exchanged?  Pure.
+
+    True when every sample is at least ``direct_bytes`` long (such a read is
+    already large for the PFS: merging would save little and the exchange
+    would copy every byte once more) and no file sits in some nodes' burst
+    buffers but not in others' (those samples must travel).  The answer
+    depends only on the dataset, so every rank reaches it without asking the
+    others.  ``direct_bytes`` 0: never.
+    """
+    if direct_bytes <= 0 or len(extents) == 0:
+        return False
+    held_somewhere = holders.holds.any(axis=0)
+    held_everywhere = holders.holds.all(axis=0)
+    return bool(extents.length.min() >= direct_bytes and (held_everywhere | ~held_somewhere).all())
+
+
 def aggregation_pays(
     plan: ReadPlan,
     req_rank: np.ndarray,
