@@ -148,3 +148,25 @@ def test_compute_ratio_sets_the_loader_compute_from_bbio_step_time(tmp_path):
     refused = run_mpi(RANKS, *args, "--systems", "bbio-loader", "--compute-ratio", "1.5")
     assert refused.returncode != 0
     assert "--compute-ratio needs the bbio system" in refused.stdout + refused.stderr
+
+
+def test_passes_alternate_the_order_and_pool_the_steps(tmp_path):
+    out, pfs = tmp_path / "read.json", tmp_path / "pfs"
+    args = ["-m", "bbio.bench", "read", "--pfs", str(pfs), *TINY, "--cases", "resnet50"]
+    result = run_mpi(
+        RANKS, *args, "--systems", "independent,bbio", "--passes", "3", "--json", str(out)
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["machine"]["read"]["passes"] == 3
+    for system in ("independent", "bbio"):
+        entry = next(
+            r for r in doc["results"] if (r["system"], r["metric"]) == (system, "GB_per_s")
+        )
+        assert len(entry["values"]) == 3 * STEPS
+    order = [
+        line.split("resnet50 ")[1].split(":")[0]
+        for line in result.stdout.splitlines()
+        if "resnet50 independent:" in line or "resnet50 bbio:" in line
+    ]
+    assert order == ["independent", "bbio", "bbio", "independent", "independent", "bbio"]

@@ -69,6 +69,13 @@ Caches: before every system of every case rank 0 runs ``sync`` and ``echo 1
 with ``--cold-steps`` also before every step of the step systems (untimed):
 without it, what a system read in excess at one step (ROMIO's whole file
 domains) may be served from the page cache at the next.
+
+Passes: ``--passes N`` measures every system N times, each pass in the
+reverse order of the one before (cases and systems, the MPI-IO jobs last
+going forward and first going back), and pools the steps of all passes, so a
+drift of the file system during the run (its daemons' caches, the host's load)
+weighs on every system alike.  The loaders' ``--compute-ratio`` uses bbio's
+median step time over the passes run so far.
 The JSON's ``machine.read`` holds the sizes, paths, cache drops, bbio's own
 request counts against ``syscr`` (and how many calls each rank read directly,
 aggregating not paying), the io components the MPI-IO jobs loaded,
@@ -83,6 +90,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -174,6 +182,13 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
         help="bytes of each case's dataset (full: 2GiB, --quick: 128MiB)",
     )
     parser.add_argument("--steps", type=at_least(1), help="steps per system (full 20, quick 4)")
+    parser.add_argument(
+        "--passes",
+        type=at_least(1),
+        default=1,
+        help="measure every system this many times, in reverse order every other pass "
+        "(A B, B A, ...); the steps of all passes are pooled (default 1)",
+    )
     parser.add_argument(
         "--sample-scale",
         type=positive,
@@ -506,7 +521,7 @@ class ReadBench:
         self.foreign: dict[str, list[str]] = {}
         self.server: dict[str, dict[str, Any]] = {}
         self.bbio_requests: dict[str, dict[str, float]] = {}
-        self.step_seconds: dict[tuple[str, str], float] = {}  # median, per (case, system)
+        self.step_times: dict[tuple[str, str], list[float]] = {}  # per (case, system), pooled
         self.compute: dict[str, float] = {}  # the loaders' compute per step, per case
         self.io_components: dict[str, Any] = {}
         self.io_threads = self.args.io_threads or load_config().io_threads
@@ -531,6 +546,10 @@ class ReadBench:
         )
 
     # -- bookkeeping
+
+    def step_seconds(self) -> dict[tuple[str, str], float]:
+        """The median step time of each (case, system) measured step by step, all passes."""
+        return {key: float(np.median(times)) for key, times in self.step_times.items()}
 
     def prepare(self) -> None:
         """Collective: drop caches, then start together."""
@@ -557,8 +576,13 @@ class ReadBench:
             return
         delta = server_delta(before, server_counters(self.servers))
         if delta is not None:
-            delta["needed_bytes"] = needed
-            self.server.setdefault(case.name, {})[system] = delta
+            self._add_server(case, system, {**delta, "needed_bytes": needed})
+
+    def _add_server(self, case: Case, system: str, delta: dict[str, int]) -> None:
+        """Add one measurement's server counters to the system's (summed over passes)."""
+        total = self.server.setdefault(case.name, {}).setdefault(system, {})
+        for key, value in delta.items():
+            total[key] = total.get(key, 0) + value
 
     def record(self, case: Case, system: str, seconds: float, syscr: float, rchar: float, needed):
         """Rank 0: one value of every metric (``syscr`` already per step)."""
@@ -604,7 +628,7 @@ class ReadBench:
             if stats is not None:
                 own.append((stats.requests - requests_before, syscr))
         self._server_end(case, system, server, needed * self.steps)
-        self.step_seconds[(case.name, system)] = float(np.median(step_seconds))
+        self.step_times.setdefault((case.name, system), []).extend(step_seconds)
         if own:
             self.bbio_requests.setdefault(case.name, {})[system] = {
                 "stats_requests_per_step": float(np.median([o[0] for o in own])),
@@ -686,7 +710,7 @@ class ReadBench:
         """The loaders' simulated compute per step: the case's, or ``--compute-ratio`` times
         bbio's median step time of this run."""
         ratio = self.args.compute_ratio  # run() checked that bbio runs (before the loaders)
-        bbio_step = self.step_seconds.get((case.name, "bbio"), 0.0)
+        bbio_step = self.step_seconds().get((case.name, "bbio"), 0.0)
         seconds = case.compute_s if ratio is None else ratio * bbio_step
         self.compute[case.name] = seconds
         return seconds
@@ -860,12 +884,13 @@ class ReadBench:
             ):
                 self.record(case, system, seconds, syscr, rchar, needed)
             if got.get("server") is not None:
-                got["server"]["needed_bytes"] = needed * len(got["seconds"])
-                self.server.setdefault(case.name, {})[system] = got["server"]
+                needed_bytes = needed * len(got["seconds"])
+                self._add_server(case, system, {**got["server"], "needed_bytes": needed_bytes})
             self.ctx.log(f"{case.name} {system}: {self._summary(case, system)}")
 
-    def run_case(self, case: Case) -> None:
-        """Collective: the in-process systems on one case, caches dropped before each."""
+    def run_case(self, case: Case, backwards: bool) -> None:
+        """Collective: the in-process systems on one case (in reverse order if
+        ``backwards``), caches dropped before each."""
         chosen = self.args.systems
         systems: list[tuple[str, Callable[[], None]]] = [
             ("independent", lambda: self.independent(case)),
@@ -875,7 +900,7 @@ class ReadBench:
             ("bbio-loader-noprefetch", lambda: self.loader(case, "bbio-loader-noprefetch", 0)),
             ("seq-read", lambda: self.seq_read(case)),
         ]
-        for name, measure in systems:
+        for name, measure in reversed(systems) if backwards else systems:
             if name in chosen:
                 self.prepare()
                 self.look_around(f"{case.name} {name}")
@@ -933,11 +958,16 @@ def run(ctx: BenchContext) -> None:
         ctx.nodes = -(-bench_run.size // RANKS_PER_NODE)
         if ctx.rank == 0 and bench_run.servers:
             ctx.log(f"GlusterFS bricks found (PIDs {bench_run.servers}): their reads are recorded")
-        for case in cases:
-            bench_run.run_case(case)
-        for system in MPIIO:
-            if system in args.systems:
-                bench_run.mpiio(system)
+        mpiio = [system for system in MPIIO if system in args.systems]
+        for number in range(args.passes):
+            if args.passes > 1:
+                ctx.log(f"pass {number + 1} of {args.passes}")
+            backwards = number % 2 == 1  # A B, then B A: drift during the run hits both
+            steps: list[Callable[[], None]] = [
+                functools.partial(bench_run.run_case, case, backwards) for case in cases
+            ] + [functools.partial(bench_run.mpiio, system) for system in mpiio]
+            for measure in reversed(steps) if backwards else steps:
+                measure()
         if ctx.rank == 0:
             bench.record_machine(
                 ctx,
@@ -948,6 +978,7 @@ def run(ctx: BenchContext) -> None:
                     "pfs_fstype": fs_type(pfs),
                     "ranks_per_node": RANKS_PER_NODE,
                     "steps": sizes["steps"],
+                    "passes": args.passes,
                     "file_size": sizes["file_size"],
                     "seed": args.seed,
                     "prefetch": args.prefetch,
@@ -962,7 +993,7 @@ def run(ctx: BenchContext) -> None:
                     "loader_compute_s": bench_run.compute,
                     "bbio_step_s": {
                         case: seconds
-                        for (case, system), seconds in bench_run.step_seconds.items()
+                        for (case, system), seconds in bench_run.step_seconds().items()
                         if system == "bbio"
                     },
                     "io_components": bench_run.io_components,
