@@ -8,6 +8,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import h5py
 import numpy as np
@@ -181,3 +183,20 @@ def test_a_commit_lock_just_created_by_another_node_is_waited_for_not_an_error(t
     assert drain.read_manifest(pfs_step) is None  # the lock's owner commits
     (pfs_step / drain.COMMIT_LOCK).unlink()
     assert drain.try_commit(pfs_step, 2) is True
+
+
+def test_an_idle_drain_wakes_up_when_a_task_is_added(tmp_path):
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    drain.wake(journal)  # no drain waits: nothing to do, nothing raised
+    waker = drain._Waker(journal)
+    try:
+        threading.Timer(0.2, drain.wake, [journal]).start()
+        start = time.monotonic()
+        waker.pause(30)
+        assert time.monotonic() - start < 15
+        start = time.monotonic()
+        waker.pause(0.3)  # the wake-up was consumed: this pause lasts
+        assert time.monotonic() - start >= 0.25
+    finally:
+        waker.close()

@@ -320,6 +320,7 @@ class Checkpointer:
                 when,
             ),
         )
+        drain.wake(self.journal)
 
     def _busy(self) -> bool:
         """Collective: does any node still have checkpoints to drain?"""

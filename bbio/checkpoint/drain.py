@@ -7,7 +7,9 @@ epilog) runs the same code in the foreground.  It never touches MPI.
 
 Its queue is a journal on the burst buffer, ``<bb>/ckpt/<name>/.journal/``:
 one ``task-<step>.json`` per checkpoint to drain, written by the training
-process once the node's file is durable.  An exclusive ``flock`` on
+process once the node's file is durable, which then writes a byte into the
+``wake`` FIFO there: an idle drain waits on it (and looks at the journal every
+20 ms anyway), so it starts copying at once.  An exclusive ``flock`` on
 ``drain.lock`` makes one drainer per journal; it is released when the process
 dies.  A task is removed only once its file is on the PFS, verified, recorded,
 and the checkpoint committed if this node was the last, so replaying the
@@ -39,6 +41,7 @@ import dataclasses
 import fcntl
 import json
 import os
+import select
 import socket
 import sys
 import time
@@ -54,7 +57,7 @@ from bbio.errors import BBIOError, IntegrityError, from_oserror
 from bbio.transfer import files
 
 JOURNAL = ".journal"
-LOCK, STATUS, STOP, TARGET = "drain.lock", "status.json", "stop", "target.json"
+LOCK, STATUS, STOP, TARGET, WAKE = "drain.lock", "status.json", "stop", "target.json", "wake"
 COMMIT_LOCK = ".commit.lock"
 MANIFEST = "manifest.json"
 GLOBAL_VIEW = "global.h5"
@@ -63,7 +66,8 @@ STALE_LOCK_SECONDS = 120.0
 MAX_BACKOFF_SECONDS = 30.0
 IDLE_TRIM_SECONDS = 1.0
 POLL_SECONDS = 0.02  # the journal is on the BB: a listing costs microseconds
-AWAIT_POLL_SECONDS = (0.005, 0.05)  # first and longest pause between looks for other nodes' commits
+AWAIT_POLL_SECONDS = (0.005, 0.05)  # shortest and longest pause between looks for others' commits
+AWAIT_POLL_SHARE = 0.1  # between, a pause lasts this share of the time awaited so far
 RECENT_COMMITS = 64  # steps the status remembers as committed
 STOPPED = "stopped"
 
@@ -113,6 +117,49 @@ def task_path(journal: Path, step: int) -> Path:
 def add_task(journal: Path, task: Task) -> None:
     """Queue ``task`` (durably).  Not collective."""
     files.write_json_atomic(task_path(journal, task.step), dataclasses.asdict(task))
+
+
+def wake(journal: Path) -> None:
+    """Tell the journal's drain, if one waits, that a task was added.  Never fails: a
+    drain that does not wait (busy, starting or gone) finds the task by itself."""
+    try:
+        fd = os.open(journal / WAKE, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: nobody waits
+    except OSError:
+        return
+    try:
+        os.write(fd, b"!")
+    except OSError:  # full: wake-ups are pending anyway
+        pass
+    finally:
+        os.close(fd)
+
+
+class _Waker:
+    """The drain's end of the ``wake`` FIFO: pauses that a new task ends at once."""
+
+    def __init__(self, journal: Path) -> None:
+        self.fd: int | None = None
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkfifo(journal / WAKE, 0o600)
+            self.fd = os.open(journal / WAKE, os.O_RDWR | os.O_NONBLOCK)  # RDWR: never EOF
+        except OSError:  # a file system without FIFOs: the polling alone finds tasks
+            self.fd = None
+
+    def pause(self, seconds: float) -> None:
+        """Sleep up to ``seconds``, less if :func:`wake` is called meanwhile."""
+        if self.fd is None:
+            time.sleep(seconds)
+            return
+        ready, _, _ = select.select([self.fd], [], [], seconds)
+        if ready:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self.fd, 4096)
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def pending(journal: Path) -> list[Task]:
@@ -197,12 +244,12 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
         and task.target.exists()
     ):
         return existing
-    contents = describe_node_file(task.source, task.node)  # from the BB: no PFS reads to commit
-    if not task.is_save_of(contents):
-        return None
-    Path(task.pfs_step_dir).mkdir(parents=True, exist_ok=True)
-    temp = files.temp_path(task.target)
-    result = _native.copy_file(task.source, temp, checksum=True)
+    with ThreadPoolExecutor(1) as pool:  # the description is read from the BB during the copy
+        describing = pool.submit(describe_node_file, task.source, task.node)
+        Path(task.pfs_step_dir).mkdir(parents=True, exist_ok=True)
+        temp = files.temp_path(task.target)
+        result = _native.copy_file(task.source, temp, checksum=True)
+        contents = describing.result()  # the commit needs it: no PFS reads then
     if task.verify == "device":  # after the fsync, with the cached pages dropped
         files.commit([files.Commit(task.target, 0o644, time.time_ns())])
         size, crc = files.checksum_file(task.target, drop_cache=True)
@@ -215,7 +262,7 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
             path=task.target,
             hint="the PFS may be failing; the drain will copy it again",
         )
-    if not task.is_save_of(files.read_json(bb_record_path)):
+    if not task.is_save_of(contents) or not task.is_save_of(files.read_json(bb_record_path)):
         return None  # saved again during the copy
     record = {"size": size, "crc32c": crc, "node": task.node, "time": contents["time"]}
     files.write_json_atomic(record_path, {**record, "contents": contents})
@@ -473,14 +520,17 @@ class _Commits:
 
     ``committed``: recent steps seen committed; ``awaiting``: steps this node
     drained whose commit waits on other nodes.  :meth:`look` polls the PFS for
-    the awaited ones, from every 5 ms up to every 50 ms: the one poller per node.
+    the awaited ones: the one poller per node.  Its pauses last a tenth of the
+    time awaited so far, from 5 ms up to 50 ms, so a commit is seen at most
+    about a tenth later than it happened, and a long wait costs the PFS 20
+    looks a second.
     """
 
     def __init__(self, journal: Path) -> None:
         self.journal = journal
         self.awaiting: dict[int, Task] = {}
         self.committed: list[int] = []
-        self.looked_at, self.pause = 0.0, AWAIT_POLL_SECONDS[0]
+        self.since = self.next_look = 0.0
 
     def report(self, **status: Any) -> None:
         """Write the status: ``state`` (default idle), ``error``, ``retries`` and the steps."""
@@ -503,27 +553,28 @@ class _Commits:
     def look(self) -> None:
         """Poll the PFS for the awaited steps, if the pause since the last look is over."""
         now = time.monotonic()
-        if not self.awaiting or now - self.looked_at < self.pause:
+        if not self.awaiting or now < self.next_look:
             return
         seen = [step for step, task in self.awaiting.items() if _is_committed(task)]
         for step in seen:
             self._forget(step)
             self._add(step)
-        longer = min(self.pause * 1.5, AWAIT_POLL_SECONDS[1])
-        self.pause = AWAIT_POLL_SECONDS[0] if seen else longer
-        self.looked_at = now
         if seen:
+            self.since = now
             self.report()
+        pause = AWAIT_POLL_SHARE * (now - self.since)
+        self.next_look = now + min(max(pause, AWAIT_POLL_SECONDS[0]), AWAIT_POLL_SECONDS[1])
 
     def until_next_look(self) -> float:
         """Seconds until :meth:`look` has something to do (inf when nothing is awaited)."""
         if not self.awaiting:
             return float("inf")
-        return max(self.looked_at + self.pause - time.monotonic(), 0.0)
+        return max(self.next_look - time.monotonic(), 0.0)
 
     def restart_looking(self) -> None:
         """Look again soon (a task was just drained)."""
-        self.looked_at, self.pause = time.monotonic(), AWAIT_POLL_SECONDS[0]
+        self.since = time.monotonic()
+        self.next_look = self.since + AWAIT_POLL_SECONDS[0]
 
     def _forget(self, step: int) -> None:
         self.awaiting.pop(step, None)
@@ -607,6 +658,16 @@ def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) 
 
 
 def _drain(journal: Path, parent: int | None, finish: bool, deadline: float | None) -> int:
+    waker = _Waker(journal)
+    try:
+        return _drain_tasks(journal, parent, finish, deadline, waker)
+    finally:
+        waker.close()
+
+
+def _drain_tasks(
+    journal: Path, parent: int | None, finish: bool, deadline: float | None, waker: _Waker
+) -> int:
     retries, backoff = 0, 1.0
     untrimmed: Task | None = None  # the last task drained, while copies wait to be trimmed
     trimmed_at = 0.0
@@ -626,7 +687,7 @@ def _drain(journal: Path, parent: int | None, finish: bool, deadline: float | No
                     _trim_after(journal, untrimmed)
                 commits.report(state=STOPPED)
                 return 0
-            time.sleep(min(POLL_SECONDS, max(commits.until_next_look(), 0.001)))
+            waker.pause(min(POLL_SECONDS, max(commits.until_next_look(), 0.001)))
             continue
         task = tasks[0]
         try:
