@@ -76,8 +76,14 @@ def test_plot_draws_the_chosen_metrics_and_refuses_unknown_ones(tmp_path):
 def test_table_prints_medians_and_target_ratios(tmp_path, capsys):
     from bbio.bench.table import main as table_main
 
-    def result(case, system, metric, median):
-        return {"case": case, "system": system, "metric": metric, "median": median}
+    def result(case, system, metric, median, values=()):
+        return {
+            "case": case,
+            "system": system,
+            "metric": metric,
+            "median": median,
+            "values": list(values) or [median],
+        }
 
     doc = {
         "results": [
@@ -86,6 +92,8 @@ def test_table_prints_medians_and_target_ratios(tmp_path, capsys):
             result("16MiB", "bbio-drain", "GB_per_s", 0.2),
             result("16MiB", "pfs-write", "GB_per_s", 0.25),
             result("64MiB", "bbio", "seconds", 2.0),
+            result("step", "bbio", "GB_per_s", 1.0, [1.0, 1.0, 0.25]),  # 3 GB in 6 s
+            result("step", "independent", "GB_per_s", 0.5, [0.5, 0.5, 0.5]),
         ]
     }
     source = tmp_path / "r.json"
@@ -97,6 +105,11 @@ def test_table_prints_medians_and_target_ratios(tmp_path, capsys):
         "| 16MiB | 0.25 | 0.5 |",
         "| 64MiB | - | 2 |",
     ]
+    per_step = [str(source), "--ratio", "bbio/independent", "--metric", "GB_per_s"]
+    assert table_main(per_step) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "| step | 2 |"  # medians
+    assert table_main([*per_step, "--run-rate"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == "| step | 1 |"  # 0.5 GB/s over the run
     ratios = ["--ratio", "bbio/bb-write", "--ratio", "bbio-drain@GB_per_s/pfs-write@GB_per_s"]
     assert table_main([str(source), *ratios]) == 0
     assert capsys.readouterr().out.splitlines()[2:] == ["| 16MiB | 2 | 0.8 |"]

@@ -134,28 +134,27 @@ def doc_value(doc: dict, case: str, system: str, metric: str) -> float:
     raise KeyError((case, system, metric))
 
 
+def run_resnet50(tmp_path, *options: str):
+    """The tiny read suite on the resnet50 case alone: (process, its JSON path)."""
+    out = tmp_path / "read.json"
+    args = ["-m", "bbio.bench", "read", "--pfs", str(tmp_path / "pfs"), *TINY]
+    return run_mpi(RANKS, *args, "--cases", "resnet50", "--json", str(out), *options), out
+
+
 def test_compute_ratio_sets_the_loader_compute_from_bbio_step_time(tmp_path):
-    out, pfs = tmp_path / "read.json", tmp_path / "pfs"
-    args = ["-m", "bbio.bench", "read", "--pfs", str(pfs), *TINY, "--cases", "resnet50"]
-    result = run_mpi(
-        RANKS, *args, "--systems", "bbio,bbio-loader", "--compute-ratio", "1.5", "--json", str(out)
-    )
+    result, out = run_resnet50(tmp_path, "--systems", "bbio,bbio-loader", "--compute-ratio", "1.5")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     info = json.loads(out.read_text())["machine"]["read"]
     assert info["compute_ratio"] == 1.5
     bbio_step = info["bbio_step_s"]["resnet50"]
     assert bbio_step > 0 and info["loader_compute_s"]["resnet50"] == 1.5 * bbio_step
-    refused = run_mpi(RANKS, *args, "--systems", "bbio-loader", "--compute-ratio", "1.5")
+    refused, _ = run_resnet50(tmp_path, "--systems", "bbio-loader", "--compute-ratio", "1.5")
     assert refused.returncode != 0
     assert "--compute-ratio needs the bbio system" in refused.stdout + refused.stderr
 
 
 def test_passes_alternate_the_order_and_pool_the_steps(tmp_path):
-    out, pfs = tmp_path / "read.json", tmp_path / "pfs"
-    args = ["-m", "bbio.bench", "read", "--pfs", str(pfs), *TINY, "--cases", "resnet50"]
-    result = run_mpi(
-        RANKS, *args, "--systems", "independent,bbio", "--passes", "3", "--json", str(out)
-    )
+    result, out = run_resnet50(tmp_path, "--systems", "independent,bbio", "--passes", "3")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     doc = json.loads(out.read_text())
     assert doc["machine"]["read"]["passes"] == 3

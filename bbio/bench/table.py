@@ -4,6 +4,9 @@ One row per case, one column per system: the median of ``--metric``.  With
 ``--ratio A/B`` (repeatable) the columns are instead the ratios of two
 systems' medians (``bbio/bb-write``; ``SYSTEM@METRIC`` picks another metric),
 the form the issues' targets take.  The docs' tables are printed this way.
+With ``--run-rate`` a per-step rate (GB/s, samples/s) is summarised by its
+harmonic mean instead: the rate over the whole run, total work over total
+time, when every step does the same work (the read suite's steps do).
 """
 
 from __future__ import annotations
@@ -16,13 +19,26 @@ from pathlib import Path
 from bbio.errors import UsageError
 
 
-def medians(documents: list[dict]) -> dict[tuple[str, str, str], float]:
-    """{(case, system, metric): median} over the results of ``documents`` (later files win)."""
+def medians(
+    documents: list[dict], run_rates: frozenset[str] = frozenset()
+) -> dict[tuple[str, str, str], float]:
+    """{(case, system, metric): median} over the results of ``documents`` (later files win);
+    for the metrics in ``run_rates``, the harmonic mean of the values (the rate over the run)."""
     return {
-        (r["case"], r["system"], r["metric"]): float(r["median"])
+        (r["case"], r["system"], r["metric"]): (
+            _run_rate(r["values"]) if r["metric"] in run_rates else float(r["median"])
+        )
         for doc in documents
         for r in doc["results"]
     }
+
+
+def _run_rate(values: list[float]) -> float:
+    if not values or min(values) <= 0:
+        raise UsageError(
+            "--run-rate needs positive per-step rates", hint="use it with GB_per_s or samples_per_s"
+        )
+    return len(values) / sum(1.0 / v for v in values)
 
 
 def _cases(found: dict[tuple[str, str, str], float]) -> list[str]:
@@ -91,8 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", help="comma-separated columns (default: every system)")
     parser.add_argument("--ratio", action="append", default=[], help="a column A/B (repeatable)")
     parser.add_argument("--digits", type=int, default=3, help="significant digits (default 3)")
+    parser.add_argument(
+        "--run-rate",
+        action="store_true",
+        help="harmonic mean of the values (a rate over the whole run) instead of the median",
+    )
     args = parser.parse_args(argv)
-    found = medians([json.loads(p.read_text()) for p in args.json])
+    shown = {args.metric} | {_operand(t, args.metric)[1] for r in args.ratio for t in r.split("/")}
+    run_rates = frozenset(shown if args.run_rate else ())
+    found = medians([json.loads(p.read_text()) for p in args.json], run_rates)
     if args.ratio and args.systems:
         raise UsageError("--systems and --ratio do not go together", hint="give one of them")
     if args.ratio:
