@@ -200,3 +200,14 @@ def test_an_idle_drain_wakes_up_when_a_task_is_added(tmp_path):
         assert time.monotonic() - start >= 0.25
     finally:
         waker.close()
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs to unbind from one")
+def test_the_background_drain_does_not_keep_its_starters_cpu_binding():
+    code = (
+        "import os; os.sched_setaffinity(0, {0}); "
+        "from bbio.checkpoint import drain; drain.run_on_any_cpu(); "
+        "print(sorted(os.sched_getaffinity(0)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == sorted(os.sched_getaffinity(0))

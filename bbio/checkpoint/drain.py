@@ -740,7 +740,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--journal", type=Path, required=True)
     parser.add_argument("--parent", type=int, help="exit once this process is gone and idle")
     args = parser.parse_args(argv)
+    run_on_any_cpu()
     return run(args.journal, args.parent, finish=False, timeout=None)
+
+
+def run_on_any_cpu() -> None:
+    """Let this process run on any CPU the job may use (its cgroup still bounds it).
+
+    A training rank that starts the drain is often bound to one core (``srun
+    --cpu-bind``, ``mpirun`` with few ranks), and the drain inherits that
+    binding: it would then share the rank's core and make it a straggler
+    instead of using a spare one.
+    """
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no affinity API
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
 
 
 if __name__ == "__main__":
