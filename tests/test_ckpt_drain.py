@@ -200,6 +200,12 @@ def test_an_idle_drain_wakes_up_when_a_task_is_added(tmp_path):
         assert time.monotonic() - start >= 0.25
     finally:
         waker.close()
+    (journal / drain.WAKE).unlink()
+    (journal / drain.WAKE).write_text("not a FIFO")
+    squatted = drain._Waker(journal)  # falls back to sleeping, never spins on the file
+    start = time.monotonic()
+    squatted.pause(0.3)
+    assert time.monotonic() - start >= 0.25
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs to unbind from one")

@@ -43,6 +43,7 @@ import json
 import os
 import select
 import socket
+import stat
 import sys
 import time
 from collections.abc import Iterable
@@ -142,9 +143,13 @@ class _Waker:
         try:
             with contextlib.suppress(FileExistsError):
                 os.mkfifo(journal / WAKE, 0o600)
-            self.fd = os.open(journal / WAKE, os.O_RDWR | os.O_NONBLOCK)  # RDWR: never EOF
+            fd = os.open(journal / WAKE, os.O_RDWR | os.O_NONBLOCK)  # RDWR: never EOF
         except OSError:  # a file system without FIFOs: the polling alone finds tasks
-            self.fd = None
+            return
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            self.fd = fd
+        else:  # something else took the name: a regular file would always be "ready"
+            os.close(fd)
 
     def pause(self, seconds: float) -> None:
         """Sleep up to ``seconds``, less if :func:`wake` is called meanwhile."""
