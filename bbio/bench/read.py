@@ -963,10 +963,10 @@ def run(ctx: BenchContext) -> None:
             if args.passes > 1:
                 ctx.log(f"pass {number + 1} of {args.passes}")
             backwards = number % 2 == 1  # A B, then B A: drift during the run hits both
-            steps: list[Callable[[], None]] = [
+            measures: list[Callable[[], None]] = [
                 functools.partial(bench_run.run_case, case, backwards) for case in cases
             ] + [functools.partial(bench_run.mpiio, system) for system in mpiio]
-            for measure in reversed(steps) if backwards else steps:
+            for measure in reversed(measures) if backwards else measures:
                 measure()
         if ctx.rank == 0:
             bench.record_machine(
