@@ -26,8 +26,9 @@ records and written at once) and ``manifest.json`` last.  The drain reports the
 commit in ``status.json`` (``committed``), and while other nodes have still to
 commit a step it drained (``awaiting``) it looks for their manifest, after a
 tenth of the time it has waited so far (5 to 50 ms): waiting ranks read the
-status, so one process per node, not every rank, polls the PFS.  Then PFS retention, and this node's BB copies
-beyond ``keep_bb`` that are committed are trimmed (again every second while
+status, so one process per node, not every rank, polls the PFS.  Then PFS
+retention, and this node's BB copies beyond ``keep_bb`` that are committed
+are trimmed (again every second while
 idle, until none is left waiting for other nodes' commits; the PFS is read
 only when copies are over the limit).  Failures are retried with exponential
 backoff, and reported in ``status.json``.
