@@ -28,10 +28,9 @@ commit a step it drained (``awaiting``) it looks for their manifest, after a
 tenth of the time it has waited so far (5 to 50 ms): waiting ranks read the
 status, so one process per node, not every rank, polls the PFS.  Then PFS
 retention, and this node's BB copies beyond ``keep_bb`` that are committed
-are trimmed (again every second while
-idle, until none is left waiting for other nodes' commits; the PFS is read
-only when copies are over the limit).  Failures are retried with exponential
-backoff, and reported in ``status.json``.
+are trimmed (again every second while idle, until none is left waiting for
+other nodes' commits; the PFS is read only when copies are over the limit).
+Failures are retried with exponential backoff, and reported in ``status.json``.
 """
 
 from __future__ import annotations
