@@ -185,8 +185,10 @@ def aggregated_counts(
     needed = int(np.unique(ids).size) * sample_bytes
     holders = Holders.none(rank_node[-1] + 1, 1)
     readers = sum(1 for c in counts if c)
-    if reads_alone(extents, holders, direct_bytes):  # Dataset.read's exchange-free path
-        return Counts(ids.size, readers, io_threads, ids.size * sample_bytes, needed, direct=True)
+    # Dataset.read's direct path: each rank reads its own samples, io_threads in flight
+    direct = Counts(ids.size, readers, io_threads, ids.size * sample_bytes, needed, direct=True)
+    if reads_alone(extents, holders, direct_bytes):  # not even the requests are exchanged
+        return direct
     plan = make_plan(
         np.repeat(np.arange(ranks), counts),
         np.concatenate([np.arange(c) for c in counts]),
@@ -203,8 +205,8 @@ def aggregated_counts(
     req_rank = np.repeat(np.arange(ranks), counts)
     if not aggregation_pays(
         plan, req_rank, np.arange(ids.size), extents, rank_node, holders, min_saving
-    ):  # Dataset.read's direct path: each rank reads its own samples, io_threads in flight
-        return Counts(ids.size, readers, io_threads, ids.size * sample_bytes, needed, direct=True)
+    ):
+        return direct
     clients = int(np.unique(plan.read_agg).size)
     return Counts(plan.requests_issued, clients, io_threads, plan.bytes_read, needed)
 

@@ -207,9 +207,7 @@ class Checkpointer:
             self.name, step, self.pfs_dir / layout.step_dirname(step), self.journal, self.nodes
         )
         if self._wait_for_room(handle):
-            if self.topo.is_leader:
-                with contextlib.suppress(OSError):  # made by check(), left empty
-                    (self.bb_dir / layout.step_dirname(step)).rmdir()
+            self._drop_unused_bb_step_dir(step)
             return dataclasses.replace(handle, skipped=True)
         need = [FILE_OVERHEAD_BYTES] * self.nodes
         free: dict[int, int] = {}
@@ -226,8 +224,7 @@ class Checkpointer:
             with agreed(comm, f"checkpoint {self.name} step {step}: writing to the PFS"):
                 if self.topo.is_leader:
                     step_dir.mkdir(parents=True, exist_ok=True)
-                    with contextlib.suppress(OSError):  # made by check(), left empty
-                        (self.bb_dir / layout.step_dirname(step)).rmdir()
+                self._drop_unused_bb_step_dir(step)
         node_specs = [(r, all_specs[r]) for r in self.node_ranks]
         with agreed(comm, f"checkpoint {self.name} step {step}: writing"):
             size = write_node_file(
@@ -258,6 +255,12 @@ class Checkpointer:
                     drain.apply_pfs_retention(step_dir.parent, self.keep_pfs)
             return dataclasses.replace(handle, direct=True)
         return handle
+
+    def _drop_unused_bb_step_dir(self, step: int) -> None:
+        """A node leader: remove the BB step directory ``save`` made, if it stayed empty."""
+        if self.topo.is_leader:
+            with contextlib.suppress(OSError):
+                (self.bb_dir / layout.step_dirname(step)).rmdir()
 
     def _has_bb_copy(self, step: int) -> bool:
         """A node leader: does this node's burst buffer hold anything of ``step``?"""

@@ -657,20 +657,13 @@ def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) 
                     print(f"bbio drain: {journal} is held by another drain", file=sys.stderr)
                     return 1
                 time.sleep(0.2)
-        return _drain(journal, parent, finish, deadline)
+        with contextlib.closing(_Waker(journal)) as waker:
+            return _drain(journal, parent, finish, deadline, waker)
     finally:
         os.close(lock_fd)  # releases the lock
 
 
-def _drain(journal: Path, parent: int | None, finish: bool, deadline: float | None) -> int:
-    waker = _Waker(journal)
-    try:
-        return _drain_tasks(journal, parent, finish, deadline, waker)
-    finally:
-        waker.close()
-
-
-def _drain_tasks(
+def _drain(
     journal: Path, parent: int | None, finish: bool, deadline: float | None, waker: _Waker
 ) -> int:
     retries, backoff = 0, 1.0

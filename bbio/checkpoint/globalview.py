@@ -91,8 +91,8 @@ def merge_descriptions(descriptions: list[dict[str, Any]], where: Path) -> dict[
         for entry in description["datasets"]:
             rank_nodes[entry["rank"]] = entry["node"]
             datasets.append(entry)
-    meta = {k: first[k] for k in ("step", "time", "ranks", "layout", "global_shapes", "bbio")}
-    meta["user_attrs"] = first["user_attrs"]
+    shared = ("step", "time", "ranks", "layout", "global_shapes", "user_attrs", "bbio")
+    meta = {k: first[k] for k in shared}
     meta["datasets"] = datasets
     meta["rank_nodes"] = [rank_nodes.get(r) for r in range(first["ranks"])]
     return meta

@@ -187,7 +187,7 @@ def _refresh(comm, root: Path, paths: Sequence[str]) -> dict[str, Entry]:
 
 @dataclasses.dataclass
 class _Copied:
-    """Per node: CRC32C of each committed file; files that kept changing."""
+    """Per node: CRC32C of each committed file, how many, their bytes, bytes read."""
 
     crcs: dict[str, int] = dataclasses.field(default_factory=dict)
     bytes_written: int = 0
