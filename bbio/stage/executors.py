@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -55,22 +55,47 @@ def whole_file(piece: Piece, entry: Entry) -> bool:
 
 
 def _copy_whole_files(
-    pieces: Sequence[Piece],
+    batches: Sequence[Sequence[Piece]],
     entries: Mapping[str, Entry],
     src_root: Path,
     dst_root: Path,
     outcome: Outcome,
+    progress: Progress,
     threads: int,
     buffer_size: int,
 ) -> None:
-    results = _native.copy_files(
-        [src_root / p.path for p in pieces],
-        [temp_path(dst_root / p.path) for p in pieces],
-        threads=threads,
-        buffer_size=buffer_size,
-        modes=[entries[p.path].mode for p in pieces],
-        mtimes_ns=[entries[p.path].mtime_ns for p in pieces],
-    )
+    """Copy whole files batch by batch with the native batched copy, on a worker thread:
+    the names of the next batch are made, and the results of the last one recorded,
+    while a batch is copied."""
+
+    def start(batch: Sequence[Piece]) -> Future:
+        return copier.submit(
+            _native.copy_files,
+            [src_root / p.path for p in batch],
+            [temp_path(dst_root / p.path) for p in batch],
+            threads=threads,
+            buffer_size=buffer_size,
+            modes=[entries[p.path].mode for p in batch],
+            mtimes_ns=[entries[p.path].mtime_ns for p in batch],
+        )
+
+    with ThreadPoolExecutor(1, "bbio-copy") as copier:
+        running: tuple[Sequence[Piece], Future] | None = None
+        for batch in [*batches, None]:
+            following = None if batch is None else (batch, start(batch))
+            if running is not None:
+                _record_copies(running[0], running[1].result(), entries, outcome)
+                progress.add(sum(p.length for p in running[0]), len(running[0]))
+                progress.update()
+            running = following
+
+
+def _record_copies(
+    pieces: Sequence[Piece],
+    results: Sequence[_native.FileCopy],
+    entries: Mapping[str, Entry],
+    outcome: Outcome,
+) -> None:
     for piece, result in zip(pieces, results, strict=True):
         if result.error is not None:
             raise result.error
@@ -105,10 +130,8 @@ def copy_direct(
     mine = pieces_by_rank[team_comm.Get_rank()]
     whole = [p for p in mine if whole_file(p, entries[p.path])]
     partial = [p for p in mine if not whole_file(p, entries[p.path])]
-    for batch in group_by_size(whole, BATCH_BYTES, lambda p: p.length + BATCH_FILE_BYTES):
-        _copy_whole_files(batch, entries, src_root, dst_root, outcome, threads, buffer_size)
-        progress.add(sum(p.length for p in batch), len(batch))
-        progress.update()
+    batches = group_by_size(whole, BATCH_BYTES, lambda p: p.length + BATCH_FILE_BYTES)
+    _copy_whole_files(batches, entries, src_root, dst_root, outcome, progress, threads, buffer_size)
     for piece in partial:
         entry = entries[piece.path]
         result = copy_piece(

@@ -1,9 +1,11 @@
-"""Parallel walk of a source tree: every rank lists some directories and stats some entries.
+"""Parallel walk of a source tree: every rank lists some directories and stats what it lists.
 
 The walk goes level by level.  At each level the directories are dealt out to
-the ranks, which list them; then all the names found are dealt out again for
-``lstat``, so even one directory of a million files is stat'ed by every rank.
-Symlinks are never followed.
+the ranks; each rank ``lstat``s every name right after reading it from its
+directory.  File systems answer those stats from the attributes the listing
+brought along (FUSE and NFS READDIRPLUS, Lustre's statahead), which they keep
+for about a second: a stat made later, or by another client, is a round trip to
+the servers.  Symlinks are never followed.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import dataclasses
 import fnmatch
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from bbio.errors import NotDirectoryError, NotFoundError
@@ -104,19 +106,18 @@ def _stat_one(
     return Skipped(rel, "special file (device, FIFO or socket); not copied")
 
 
-def _list_dir(root: Path, rel: str) -> tuple[list[str], Skipped | None]:
-    names = []
+def _list_dir(root: Path, rel: str, unreadable: list[Skipped]) -> Iterator[str]:
+    """The names in directory ``rel``, as they are read (a listing refused goes to
+    ``unreadable``; a directory gone since it was found lists nothing)."""
     try:
         with os.scandir(root / rel) as it:
             for item in it:
-                if is_temp_name(item.name) or (rel == "" and item.name == META_DIR):
-                    continue
-                names.append(f"{rel}/{item.name}" if rel else item.name)
+                if not (is_temp_name(item.name) or (rel == "" and item.name == META_DIR)):
+                    yield f"{rel}/{item.name}" if rel else item.name
     except PermissionError as exc:
-        return [], Skipped(rel or ".", f"cannot list directory: {exc.strerror}")
+        unreadable.append(Skipped(rel or ".", f"cannot list directory: {exc.strerror}"))
     except FileNotFoundError:
-        return [], None
-    return names, None
+        return
 
 
 def _flatten(lists: list[list]) -> list:
@@ -147,24 +148,20 @@ def walk(comm, root: Path, include: Sequence[str] = (), exclude: Sequence[str] =
     unreadable: list[Skipped] = []
     level = [""]
     while level:
-        names: list[str] = []
-        for rel in level[rank::size]:
-            listed, problem = _list_dir(root, rel)
-            names.extend(listed)
-            if problem:
-                unreadable.append(problem)
-        all_names = sorted(_flatten(comm.allgather(names)))
         found, subdirs = [], []
-        for rel in all_names[rank::size]:
-            item = _stat_one(root, rel, include, exclude)
-            if isinstance(item, Skipped):
-                skipped.append(item)
-            elif item is not None:
-                found.append(item)
-                if item.kind == DIR:
-                    subdirs.append(rel)
-                elif item.kind == FILE and not os.access(root / rel, os.R_OK, effective_ids=True):
-                    unreadable.append(Skipped(rel, "permission denied"))
+        for directory in level[rank::size]:
+            for rel in _list_dir(root, directory, unreadable):
+                item = _stat_one(root, rel, include, exclude)
+                if isinstance(item, Skipped):
+                    skipped.append(item)
+                elif item is not None:
+                    found.append(item)
+                    if item.kind == DIR:
+                        subdirs.append(rel)
+                    elif item.kind == FILE and not os.access(
+                        root / rel, os.R_OK, effective_ids=True
+                    ):
+                        unreadable.append(Skipped(rel, "permission denied"))
         entries.extend(_flatten(comm.allgather(found)))
         level = sorted(_flatten(comm.allgather(subdirs)))
     skipped = sorted(_flatten(comm.allgather(skipped)), key=lambda s: s.path)
