@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from bbio.errors import IntegrityError
 from bbio.stage import plan
 from bbio.stage.plan import DestState, Piece
 from bbio.stage.walk import selected
+from bbio.transfer.files import is_temp_name, temp_name, temp_path
 from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry, Manifest
 
 
@@ -126,3 +130,13 @@ def test_manifest_round_trip_and_rejection():
     assert back.total_bytes == 3
     with pytest.raises(IntegrityError, match="not a bbio manifest"):
         Manifest.from_json({"format": "other"}, "here")
+
+
+@pytest.mark.parametrize("name", ["file.bin", "naïve é.txt", "x" * 255])
+def test_temporary_names_sit_beside_the_file_and_fit_a_file_name(name):
+    final = Path("/bb/dir a") / name
+    temp = temp_path(final)
+    assert temp.parent == final.parent
+    assert is_temp_name(temp.name)
+    assert len(os.fsencode(temp.name)) <= 255
+    assert temp_name(str(final)) == str(temp)

@@ -29,7 +29,7 @@ from bbio import _native
 from bbio.errors import IntegrityError, from_oserror
 from bbio.stage.plan import Piece, group_by_size, partition
 from bbio.stage.progress import Progress
-from bbio.transfer.files import PieceResult, copy_piece, temp_path
+from bbio.transfer.files import PieceResult, copy_piece, temp_name, temp_path
 from bbio.transfer.manifest import Entry
 
 PieceKey = tuple[str, int]
@@ -68,11 +68,13 @@ def _copy_whole_files(
     the names of the next batch are made, and the results of the last one recorded,
     while a batch is copied."""
 
+    src, dst = os.fspath(src_root), os.fspath(dst_root)
+
     def start(batch: Sequence[Piece]) -> Future:
         return copier.submit(
             _native.copy_files,
-            [src_root / p.path for p in batch],
-            [temp_path(dst_root / p.path) for p in batch],
+            [f"{src}/{p.path}" for p in batch],
+            [temp_name(f"{dst}/{p.path}") for p in batch],
             threads=threads,
             buffer_size=buffer_size,
             modes=[entries[p.path].mode for p in batch],

@@ -204,13 +204,19 @@ def _commit_node(
 ) -> tuple[dict[str, int], set[str]]:
     """Collective over ``node_comm``: owners combine piece CRCs and commit their files.
 
+    Only the results of pieces copied for another rank's file travel (the
+    pieces of split large files): a whole file's copier is its owner.
     Returns the CRCs this rank committed and the paths whose source changed.
     """
+    me = node_comm.Get_rank()
+    parts = node_comm.allgather(
+        {key: result for key, result in outcome.pieces.items() if owner.get(key[0]) != me}
+    )
+    parts[me] = outcome.pieces
     pieces_of: dict[str, list] = {}
-    for part in node_comm.allgather(outcome.pieces):
+    for part in parts:
         for (path, offset), result in part.items():
             pieces_of.setdefault(path, []).append((offset, result))
-    me = node_comm.Get_rank()
     crcs, changed, ready, sealed = {}, set(), [], []
     for entry in todo:
         if entry.kind != FILE or owner.get(entry.path) != me:

@@ -32,11 +32,16 @@ FSYNC_THREADS = 32
 
 def temp_path(final: Path) -> Path:
     """The temporary name a file is written under before it is committed."""
-    name = f".{final.name}{TEMP_SUFFIX}"
-    if len(os.fsencode(name)) > _NAME_MAX:
-        digest = hashlib.sha1(os.fsencode(final.name)).hexdigest()
-        name = f".{digest}{TEMP_SUFFIX}"
-    return final.with_name(name)
+    return Path(temp_name(os.fspath(final)))
+
+
+def temp_name(final: str) -> str:
+    """:func:`temp_path` of a path given as a string (cheaper for many files)."""
+    head, name = os.path.split(final)
+    temp = f".{name}{TEMP_SUFFIX}"
+    if len(os.fsencode(temp)) > _NAME_MAX:
+        temp = f".{hashlib.sha1(os.fsencode(name)).hexdigest()}{TEMP_SUFFIX}"
+    return os.path.join(head, temp)
 
 
 def is_temp_name(name: str) -> bool:
