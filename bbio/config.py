@@ -57,7 +57,12 @@ class Config:
         2 << 20,
         "Bytes of buffer per copy; large copies pipeline it in 4 slots (read | CRC32C+write).",
     )
-    io_threads: int = _setting(8, "Threads the native batched reader keeps busy per process.")
+    io_threads: int = _setting(
+        8, "Collective reads: requests the native batched reader keeps in flight per process."
+    )
+    stage_threads: int = _setting(
+        16, "Staging and pack: files (or pieces) each rank copies or reads at once."
+    )
     progress: str = _setting(
         "auto",
         "Progress line of transfers: auto (only on a terminal), always (stderr) or never.",

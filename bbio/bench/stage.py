@@ -134,9 +134,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=byte_size, metavar="BYTES", help="bbio pack shards")
     parser.add_argument("--repeats", type=COUNT, default=1, help="repetitions (default 1)")
     parser.add_argument(
-        "--io-threads",
+        "--stage-threads",
         type=COUNT,
-        help="bbio's native copy threads per rank (default: BBIO_IO_THREADS, else 8)",
+        help="files each bbio rank copies at once (default: BBIO_STAGE_THREADS, else 16)",
     )
     parser.add_argument(
         "--no-drop-caches",
@@ -405,7 +405,7 @@ class StageBench:
             if k <= self.size:
                 sub = self.comm.Split(0 if self.rank < k else MPI.UNDEFINED, self.rank)
                 self.subs[k] = None if sub == MPI.COMM_NULL else sub
-        self.io_threads = ctx.args.io_threads or load_config().io_threads
+        self.stage_threads = ctx.args.stage_threads or load_config().stage_threads
         self.drops: list[bool] = []
         self.replicate_check: dict[str, dict[str, int]] = {}
         listings = None
@@ -433,7 +433,7 @@ class StageBench:
             ranks_per_node=ranks_per_node,
             progress="never",
             bb_root=str(self.work / "bb-{node}"),
-            io_threads=self.io_threads,
+            stage_threads=self.stage_threads,
         )
 
     def prepare(self) -> None:
@@ -637,7 +637,7 @@ def run(ctx: BenchContext) -> None:
                     "sizes": sizes,
                     "files_per_dir": FILES_PER_DIR,
                     "repeats": args.repeats,
-                    "io_threads": bench_run.io_threads,
+                    "stage_threads": bench_run.stage_threads,
                     "skipped_baselines": bench_run.missing,
                     "trees": trees.status,
                     "replicate_check": bench_run.replicate_check,

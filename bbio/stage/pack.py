@@ -184,7 +184,7 @@ def pack(
     with agreed(comm, "pack: writing shards"):
         for index in deal(list(range(len(shards))), comm):
             infos.append(
-                _write_shard(src, out, index, firsts[index], shards[index], config.io_threads)
+                _write_shard(src, out, index, firsts[index], shards[index], config.stage_threads)
             )
     infos = sorted((i for part in comm.allgather(infos) for i in part), key=lambda i: i.file)
     with agreed(comm, "pack: writing the index"):
