@@ -60,8 +60,10 @@ class Config:
     io_threads: int = _setting(
         8, "Collective reads: requests the native batched reader keeps in flight per process."
     )
-    stage_threads: int = _setting(
-        16, "Staging and pack: files (or pieces) each rank copies or reads at once."
+    stage_files_in_flight: int = _setting(
+        32,
+        "Staging and pack: files (or pieces) copied or read at once per node, shared out "
+        "among the node's ranks.",
     )
     progress: str = _setting(
         "auto",
@@ -134,6 +136,11 @@ class Config:
     def bb_dir(self, node: int) -> Path:
         """The burst buffer directory of virtual or real node ``node``."""
         return self.expand(self.bb_root, node=node)
+
+    def stage_threads(self, node_ranks: int) -> int:
+        """Files each of a node's ``node_ranks`` ranks keeps in flight: its share of
+        ``stage_files_in_flight`` (at least one)."""
+        return max(1, -(-self.stage_files_in_flight // max(1, node_ranks)))
 
     def expand(self, template: str | os.PathLike, node: int | None = None) -> Path:
         """``template`` with {job}, {user} and (given a node) {node} replaced."""

@@ -88,3 +88,8 @@ def test_every_setting_is_documented_with_its_variable_and_choices():
         assert f"BBIO_{name.upper()}" in rows[name]
         for choice in field.metadata["choices"]:
             assert f"`{choice}`" in rows[name], f"{name}: choice {choice} is not documented"
+
+
+@pytest.mark.parametrize(("node_ranks", "each"), [(1, 32), (2, 16), (3, 11), (4, 8), (64, 1)])
+def test_staging_shares_the_files_in_flight_of_a_node_among_its_ranks(node_ranks, each):
+    assert Config(stage_files_in_flight=32).stage_threads(node_ranks) == each

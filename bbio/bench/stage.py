@@ -134,9 +134,9 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-size", type=byte_size, metavar="BYTES", help="bbio pack shards")
     parser.add_argument("--repeats", type=COUNT, default=1, help="repetitions (default 1)")
     parser.add_argument(
-        "--stage-threads",
+        "--stage-files-in-flight",
         type=COUNT,
-        help="files each bbio rank copies at once (default: BBIO_STAGE_THREADS, else 16)",
+        help="files bbio copies at once per node (default: BBIO_STAGE_FILES_IN_FLIGHT, else 32)",
     )
     parser.add_argument(
         "--no-drop-caches",
@@ -405,7 +405,7 @@ class StageBench:
             if k <= self.size:
                 sub = self.comm.Split(0 if self.rank < k else MPI.UNDEFINED, self.rank)
                 self.subs[k] = None if sub == MPI.COMM_NULL else sub
-        self.stage_threads = ctx.args.stage_threads or load_config().stage_threads
+        self.in_flight = ctx.args.stage_files_in_flight or load_config().stage_files_in_flight
         self.drops: list[bool] = []
         self.replicate_check: dict[str, dict[str, int]] = {}
         listings = None
@@ -433,7 +433,7 @@ class StageBench:
             ranks_per_node=ranks_per_node,
             progress="never",
             bb_root=str(self.work / "bb-{node}"),
-            stage_threads=self.stage_threads,
+            stage_files_in_flight=self.in_flight,
         )
 
     def prepare(self) -> None:
@@ -637,7 +637,7 @@ def run(ctx: BenchContext) -> None:
                     "sizes": sizes,
                     "files_per_dir": FILES_PER_DIR,
                     "repeats": args.repeats,
-                    "stage_threads": bench_run.stage_threads,
+                    "stage_files_in_flight": bench_run.in_flight,
                     "skipped_baselines": bench_run.missing,
                     "trees": trees.status,
                     "replicate_check": bench_run.replicate_check,

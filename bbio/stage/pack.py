@@ -28,7 +28,7 @@ from bbio import _native
 from bbio._version import __version__
 from bbio.config import Config, load_config
 from bbio.errors import DependencyError, IntegrityError, NotFoundError, from_oserror
-from bbio.mpi import agreed, deal
+from bbio.mpi import agreed, deal, topology
 from bbio.report import format_bytes, format_table
 from bbio.stage.plan import group_by_size
 from bbio.stage.run import check_readable
@@ -180,12 +180,13 @@ def pack(
     with agreed(comm, f"pack: creating {out}"):
         if comm.Get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
+    topo = topology(comm, config.ranks_per_node)
+    threads = config.stage_threads(topo.node_comm.Get_size())
+    topo.free()
     infos: list[ShardInfo] = []
     with agreed(comm, "pack: writing shards"):
         for index in deal(list(range(len(shards))), comm):
-            infos.append(
-                _write_shard(src, out, index, firsts[index], shards[index], config.stage_threads)
-            )
+            infos.append(_write_shard(src, out, index, firsts[index], shards[index], threads))
     infos = sorted((i for part in comm.allgather(infos) for i in part), key=lambda i: i.file)
     with agreed(comm, "pack: writing the index"):
         if comm.Get_rank() == 0:

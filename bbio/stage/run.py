@@ -320,7 +320,7 @@ def _copy_round(job: _Transfer, todo: list[Entry], progress: Progress) -> _Copie
                     dst_root,
                     progress,
                     config.replicate_round_bytes,
-                    config.stage_threads,
+                    config.stage_threads(topo.node_comm.Get_size()),
                 )
             else:
                 outcome = copy_direct(
@@ -331,7 +331,7 @@ def _copy_round(job: _Transfer, todo: list[Entry], progress: Progress) -> _Copie
                     dst_root,
                     progress,
                     config.copy_buffer_size,
-                    config.stage_threads,
+                    config.stage_threads(topo.node_comm.Get_size()),
                 )
         if broadcast and columns.comm is not None:
             columns.comm.Free()
