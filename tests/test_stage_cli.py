@@ -374,6 +374,28 @@ def test_unreadable_file(world_tmp):
         assert [s["path"] for s in document["attrs"]["skipped"]] == ["sub/secret.bin"]
 
 
+def test_unreadable_directory_is_named(world_tmp):
+    src = world_tmp / "src"
+    make_tree(src, {"ok.bin": 100, "locked/inside.bin": 100})
+    (src / "locked").chmod(0o000)
+    prefix, extra_env = _unprivileged(world_tmp)
+    env = {**os.environ, **MPI_ENV, **extra_env, "BBIO_RANKS_PER_NODE": "1"}
+    command = [*prefix, "mpirun", "-n", "2", sys.executable, "-m", "bbio", "stage-in"]
+    failed = subprocess.run(
+        [*command, str(src), str(world_tmp / "dst" / "{node}")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=world_tmp,
+    )
+    (src / "locked").chmod(0o755)
+    assert failed.returncode != 0
+    error_line = next(line for line in failed.stderr.splitlines() if "bbio: error:" in line)
+    assert "locked: cannot list directory" in error_line, failed.stderr
+    assert "Traceback" not in failed.stderr
+
+
 # ----------------------------------------------------------------- 3. progress
 
 
