@@ -308,6 +308,7 @@ def _copy_round(job: _Transfer, todo: list[Entry], progress: Progress) -> _Copie
                 if owner[e.path] == me and (broadcast or e.size > config.chunk_size):
                     files.prepare(dst_root / e.path, e.size)
         outcome = Outcome()
+        threads = config.stage_threads(topo.node_comm.Get_size())
         with agreed(comm, f"{label}: copying"):
             if broadcast:
                 outcome = copy_broadcast(
@@ -320,7 +321,7 @@ def _copy_round(job: _Transfer, todo: list[Entry], progress: Progress) -> _Copie
                     dst_root,
                     progress,
                     config.replicate_round_bytes,
-                    config.stage_threads(topo.node_comm.Get_size()),
+                    threads,
                 )
             else:
                 outcome = copy_direct(
@@ -331,7 +332,7 @@ def _copy_round(job: _Transfer, todo: list[Entry], progress: Progress) -> _Copie
                     dst_root,
                     progress,
                     config.copy_buffer_size,
-                    config.stage_threads(topo.node_comm.Get_size()),
+                    threads,
                 )
         if broadcast and columns.comm is not None:
             columns.comm.Free()

@@ -149,19 +149,17 @@ def walk(comm, root: Path, include: Sequence[str] = (), exclude: Sequence[str] =
     level = [""]
     while level:
         found, subdirs = [], []
-        for directory in level[rank::size]:
-            for rel in _list_dir(root, directory, unreadable):
-                item = _stat_one(root, rel, include, exclude)
-                if isinstance(item, Skipped):
-                    skipped.append(item)
-                elif item is not None:
-                    found.append(item)
-                    if item.kind == DIR:
-                        subdirs.append(rel)
-                    elif item.kind == FILE and not os.access(
-                        root / rel, os.R_OK, effective_ids=True
-                    ):
-                        unreadable.append(Skipped(rel, "permission denied"))
+        listed = (rel for d in level[rank::size] for rel in _list_dir(root, d, unreadable))
+        for rel in listed:  # each name is stat'ed as soon as it is read
+            item = _stat_one(root, rel, include, exclude)
+            if isinstance(item, Skipped):
+                skipped.append(item)
+            elif item is not None:
+                found.append(item)
+                if item.kind == DIR:
+                    subdirs.append(rel)
+                elif item.kind == FILE and not os.access(root / rel, os.R_OK, effective_ids=True):
+                    unreadable.append(Skipped(rel, "permission denied"))
         entries.extend(_flatten(comm.allgather(found)))
         level = sorted(_flatten(comm.allgather(subdirs)))
     skipped = sorted(_flatten(comm.allgather(skipped)), key=lambda s: s.path)
