@@ -19,6 +19,7 @@ from bbio.config import Config
 from bbio.report import format_bytes
 from bbio.stage import run as stage_run
 from bbio.stage.pack import INDEX_NAME, read_index
+from bbio.stage.walk import walk
 from bbio.transfer.files import read_manifest
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -81,6 +82,14 @@ def files_under(root: Path) -> dict[str, bytes]:
 
 def same_on_all_ranks(comm, value) -> bool:
     return comm.allgather(value) == [value] * comm.Get_size()
+
+
+def test_walk_lists_alike_one_or_many_directories_at_a_time(comm, tree):
+    src, contents = tree
+    one, many = walk(comm, src, listers=1), walk(comm, src, listers=4)
+    assert (one.entries, one.skipped) == (many.entries, many.skipped)
+    assert same_on_all_ranks(comm, [e.path for e in many.entries])
+    assert {e.path for e in many.files} == set(contents)
 
 
 def test_replicate_gives_every_node_the_whole_tree_reading_each_byte_once(comm, shared_tmp, tree):

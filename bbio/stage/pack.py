@@ -171,7 +171,10 @@ def pack(
     config = config or load_config()
     start = time.monotonic()
     src, out = Path(src), config.expand(out)
-    tree = walk(comm, src, include, exclude)
+    topo = topology(comm, config.ranks_per_node)
+    threads = config.stage_threads(topo.node_comm.Get_size())
+    topo.free()
+    tree = walk(comm, src, include, exclude, listers=threads)
     check_readable(tree, False, str(src))
     shards = group_by_size(tree.files, shard_size, lambda e: e.size)
     firsts = [0]
@@ -180,9 +183,6 @@ def pack(
     with agreed(comm, f"pack: creating {out}"):
         if comm.Get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
-    topo = topology(comm, config.ranks_per_node)
-    threads = config.stage_threads(topo.node_comm.Get_size())
-    topo.free()
     infos: list[ShardInfo] = []
     with agreed(comm, "pack: writing shards"):
         for index in deal(list(range(len(shards))), comm):

@@ -64,8 +64,9 @@ def split_pieces(files: Iterable[Entry], chunk_size: int) -> list[Piece]:
     for f in files:
         if f.kind != FILE:
             continue
-        if f.size == 0:
-            pieces.append(Piece(f.path, 0, 0))
+        if f.size <= chunk_size:  # one piece, an empty file too
+            pieces.append(Piece(f.path, 0, f.size))
+            continue
         for offset in range(0, f.size, chunk_size):
             pieces.append(Piece(f.path, offset, min(chunk_size, f.size - offset)))
     return pieces

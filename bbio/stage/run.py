@@ -89,14 +89,14 @@ class StageSummary:
 
 def dest_state(comm, root: Path, paths: Sequence[str]) -> dict[str, plan.DestState]:
     """Collective over ``comm``: what ``root/path`` holds now, for every path (lstat, dealt out)."""
-    found = {}
+    found, base = {}, os.fspath(root)
     for path in deal(paths, comm):
         try:
-            st = os.lstat(root / path)
+            st = os.lstat(f"{base}/{path}")
         except (FileNotFoundError, NotADirectoryError):
             continue
         if stat.S_ISLNK(st.st_mode):
-            found[path] = plan.DestState(SYMLINK, 0, st.st_mtime_ns, os.readlink(root / path))
+            found[path] = plan.DestState(SYMLINK, 0, st.st_mtime_ns, os.readlink(f"{base}/{path}"))
         elif stat.S_ISDIR(st.st_mode):
             found[path] = plan.DestState(DIR, 0, st.st_mtime_ns)
         else:
@@ -218,6 +218,7 @@ def _commit_node(
         for (path, offset), result in part.items():
             pieces_of.setdefault(path, []).append((offset, result))
     crcs, changed, ready, sealed = {}, set(), [], []
+    dst = os.fspath(dst_root)
     for entry in todo:
         if entry.kind != FILE or owner.get(entry.path) != me:
             continue
@@ -231,7 +232,7 @@ def _commit_node(
             changed.add(entry.path)
             continue
         if entry.path in outcome.sealed:
-            sealed.append(dst_root / entry.path)
+            sealed.append(f"{dst}/{entry.path}")
         else:
             ready.append(files.Commit(dst_root / entry.path, entry.mode, entry.mtime_ns))
         crcs[entry.path] = crc
@@ -475,7 +476,7 @@ def stage_in(
 def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreadable, config, start):
     dst_root = config.node_dir(dst, topo.node, topo.nodes_on_host)
     bb_dir = config.node_dir(config.bb_root, topo.node, topo.nodes_on_host)  # its registry
-    tree = walk(comm, src, include, exclude)
+    tree = walk(comm, src, include, exclude, config.stage_threads(topo.node_comm.Get_size()))
     problems = check_readable(tree, skip_unreadable, str(src))
     entries = _without(tree.entries, {p.path for p in problems})
     skipped = tree.skipped + problems
@@ -525,11 +526,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
         if topo.is_leader:
             _finish_dirs(dst_root, dirs)
             manifest_entries = [
-                dataclasses.replace(
-                    e,
-                    crc32c=all_crcs.get(e.path),
-                    node=holder.get(e.path) if mode == "shard" else None,
-                )
+                e.committed(all_crcs.get(e.path), holder.get(e.path) if mode == "shard" else None)
                 for e in entries
                 if e.path not in given_up
             ]
@@ -629,7 +626,8 @@ def stage_out(
 
 def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreadable, config, start):
     src_root = config.node_dir(src, topo.node, topo.nodes_on_host)
-    tree = walk(topo.node_comm, src_root, include, exclude)
+    listers = config.stage_threads(topo.node_comm.Get_size())
+    tree = walk(topo.node_comm, src_root, include, exclude, listers)
     problems: list[Skipped] = []
     with agreed(comm, "stage-out: checking that every source file is readable"):
         problems = check_readable(tree, skip_unreadable, f"{src_root} (node {topo.node})")
@@ -696,7 +694,7 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
                 Manifest(
                     "stage-out",
                     [
-                        dataclasses.replace(e, crc32c=crcs.get(e.path), node=chosen[e.path])
+                        e.committed(crcs.get(e.path), chosen[e.path])
                         for e in everything
                         if e.path not in given_up
                     ],

@@ -1,11 +1,13 @@
 """Parallel walk of a source tree: every rank lists some directories and stats what it lists.
 
 The walk goes level by level.  At each level the directories are dealt out to
-the ranks; each rank ``lstat``s every name right after reading it from its
-directory.  File systems answer those stats from the attributes the listing
-brought along (FUSE and NFS READDIRPLUS, Lustre's statahead), which they keep
-for about a second: a stat made later, or by another client, is a round trip to
-the servers.  Symlinks are never followed.
+the ranks; each rank lists several of its directories at once (``listers``,
+on threads: a listing waits on the servers, not on the CPU) and ``lstat``s
+every name right after reading it from its directory.  File systems answer
+those stats from the attributes the listing brought along (FUSE and NFS
+READDIRPLUS, Lustre's statahead), which they keep for about a second: a stat
+made later, or by another client, is a round trip to the servers.  Symlinks
+are never followed.  A listing that fails on one rank fails the walk on all.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import fnmatch
 import os
 import stat
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bbio.errors import NotDirectoryError, NotFoundError
-from bbio.mpi import agreed
+from bbio.mpi import agreed, agreed_allgather
 from bbio.transfer.files import is_temp_name
 from bbio.transfer.manifest import DIR, FILE, META_DIR, SYMLINK, Entry, sorted_entries
 
@@ -132,38 +135,72 @@ def check_source(root: Path) -> None:
         raise NotDirectoryError("the source is not a directory", path=root)
 
 
-def walk(comm, root: Path, include: Sequence[str] = (), exclude: Sequence[str] = ()) -> Tree:
+@dataclasses.dataclass
+class _Listed:
+    """What listing one directory found: entries, subdirectories, skipped paths."""
+
+    found: list[Entry] = dataclasses.field(default_factory=list)
+    subdirs: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[Skipped] = dataclasses.field(default_factory=list)
+    unreadable: list[Skipped] = dataclasses.field(default_factory=list)
+
+
+def _list_and_stat(root: Path, rel: str, include: Sequence[str], exclude: Sequence[str]) -> _Listed:
+    """List directory ``rel`` and stat each name as soon as it is read."""
+    listed = _Listed()
+    for name in _list_dir(root, rel, listed.unreadable):
+        item = _stat_one(root, name, include, exclude)
+        if isinstance(item, Skipped):
+            listed.skipped.append(item)
+        elif item is not None:
+            listed.found.append(item)
+            if item.kind == DIR:
+                listed.subdirs.append(name)
+            elif item.kind == FILE and not os.access(root / name, os.R_OK, effective_ids=True):
+                listed.unreadable.append(Skipped(name, "permission denied"))
+    return listed
+
+
+def walk(
+    comm,
+    root: Path,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    listers: int = 1,
+) -> Tree:
     """Collective over ``comm``: walk ``root`` (seen alike by every rank of ``comm``).
 
-    Every rank returns the same :class:`Tree`.  Files the process cannot read
-    go to ``unreadable``; symlinks pointing outside ``root`` and special files
-    go to ``skipped``.  bbio's own ``.bbio`` directory and temporary files are
-    never listed.
+    Every rank returns the same :class:`Tree`; each lists up to ``listers`` of
+    its directories at once.  Files the process cannot read go to
+    ``unreadable``; symlinks pointing outside ``root`` and special files go to
+    ``skipped``.  bbio's own ``.bbio`` directory and temporary files are never
+    listed.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     with agreed(comm, f"walking {root}"):
         check_source(root)
     entries: list[Entry] = []
-    skipped: list[Skipped] = []
-    unreadable: list[Skipped] = []
+    mine = _Listed()
     level = [""]
-    while level:
-        found, subdirs = [], []
-        listed = (rel for d in level[rank::size] for rel in _list_dir(root, d, unreadable))
-        for rel in listed:  # each name is stat'ed as soon as it is read
-            item = _stat_one(root, rel, include, exclude)
-            if isinstance(item, Skipped):
-                skipped.append(item)
-            elif item is not None:
-                found.append(item)
-                if item.kind == DIR:
-                    subdirs.append(rel)
-                elif item.kind == FILE and not os.access(root / rel, os.R_OK, effective_ids=True):
-                    unreadable.append(Skipped(rel, "permission denied"))
-        entries.extend(_flatten(comm.allgather(found)))
-        level = sorted(_flatten(comm.allgather(subdirs)))
-    skipped = sorted(_flatten(comm.allgather(skipped)), key=lambda s: s.path)
-    unreadable = sorted(_flatten(comm.allgather(unreadable)), key=lambda s: s.path)
+    with ThreadPoolExecutor(max(1, listers), "bbio-walk") as pool:
+
+        def list_my_share() -> tuple[list[Entry], list[str]]:
+            found, subdirs = [], []
+            for listed in pool.map(
+                lambda rel: _list_and_stat(root, rel, include, exclude), level[rank::size]
+            ):
+                found.extend(listed.found)
+                subdirs.extend(listed.subdirs)
+                mine.skipped.extend(listed.skipped)
+                mine.unreadable.extend(listed.unreadable)
+            return found, subdirs
+
+        while level:
+            parts = agreed_allgather(comm, f"walking {root}", list_my_share)
+            entries.extend(entry for found, _ in parts for entry in found)
+            level = sorted(rel for _, subdirs in parts for rel in subdirs)
+    skipped = sorted(_flatten(comm.allgather(mine.skipped)), key=lambda s: s.path)
+    unreadable = sorted(_flatten(comm.allgather(mine.unreadable)), key=lambda s: s.path)
     entries = sorted_entries(entries)
     if include or exclude:
         entries = _prune_empty_dirs(entries)

@@ -152,7 +152,7 @@ def _seal(item: Commit) -> None:
         raise _fail(exc, "commit", item.final) from None
 
 
-def commit(items: Sequence[Commit], sealed: Sequence[Path] = ()) -> None:
+def commit(items: Sequence[Commit], sealed: Sequence[str | Path] = ()) -> None:
     """Commit finished temporary files: mode, mtime and fsync each, then rename them all.
 
     ``sealed`` are finals whose temporary files already have their mode and
@@ -165,13 +165,13 @@ def commit(items: Sequence[Commit], sealed: Sequence[Path] = ()) -> None:
             list(pool.map(_seal, items))
     elif items:
         _seal(items[0])
-    finals = [item.final for item in items] + list(sealed)
+    finals = [os.fspath(item.final) for item in items] + [os.fspath(f) for f in sealed]
     for final in finals:
         try:
-            os.replace(temp_path(final), final)
+            os.replace(temp_name(final), final)
         except OSError as exc:
             raise _fail(exc, "rename into place", final) from None
-    fsync_dirs(final.parent for final in finals)
+    fsync_dirs({os.path.dirname(final) for final in finals})
 
 
 def commit_symlink(final: Path, target: str, mtime_ns: int) -> None:
@@ -187,7 +187,7 @@ def commit_symlink(final: Path, target: str, mtime_ns: int) -> None:
         raise _fail(exc, "create the symlink", final) from None
 
 
-def fsync_dirs(directories: Iterable[Path]) -> None:
+def fsync_dirs(directories: Iterable[str | Path]) -> None:
     """fsync each directory, so that the renames inside it are durable."""
     for directory in set(directories):
         try:

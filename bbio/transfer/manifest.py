@@ -36,16 +36,22 @@ class Entry:
     def to_json(self) -> dict[str, Any]:
         """The compact JSON form (fields at their default are left out)."""
         data = {"path": self.path, "kind": self.kind}
-        for field in dataclasses.fields(self)[2:]:
-            value = getattr(self, field.name)
-            if value != field.default:
-                data[field.name] = value
+        for name, default in _OPTIONAL_FIELDS:
+            value = getattr(self, name)
+            if value != default:
+                data[name] = value
         return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Entry:
         """Parse the JSON form."""
         return cls(**data)
+
+    def committed(self, crc32c: int | None, node: int | None) -> Entry:
+        """This entry with its CRC32C and (shard mode) holding node filled in."""
+        return Entry(
+            self.path, self.kind, self.size, self.mtime_ns, self.mode, crc32c, self.target, node
+        )
 
     def same_version(self, other: Entry) -> bool:
         """True if both describe the same version of a path (kind, size, mtime, target)."""
@@ -55,6 +61,9 @@ class Entry:
             other.mtime_ns,
             other.target,
         )
+
+
+_OPTIONAL_FIELDS = tuple((f.name, f.default) for f in dataclasses.fields(Entry)[2:])
 
 
 @dataclasses.dataclass
