@@ -142,7 +142,11 @@ def copy_range(
     return CopyResult(int(copied[0]), int(crc[0]) if checksum else None)
 
 
-def _open(path: str | os.PathLike, flags: int, direct: bool, action: str, mode: int = 0o644) -> int:
+def open_fd(
+    path: str | os.PathLike, flags: int, direct: bool, action: str, mode: int = 0o644
+) -> int:
+    """``os.open`` with ``O_DIRECT`` if ``direct`` and the file system takes it (tmpfs and
+    some FUSE mounts do not: then without); errors name ``path`` and ``action``."""
     if direct:
         try:
             return os.open(path, flags | os.O_DIRECT, mode)
@@ -189,9 +193,9 @@ def copy_file(
     ``direct`` opens both with O_DIRECT where the file system allows it.  Does
     not fsync and does not rename: the transfer layer does that.
     """
-    src_fd = _open(src, os.O_RDONLY, direct, "open for reading")
+    src_fd = open_fd(src, os.O_RDONLY, direct, "open for reading")
     try:
-        dst_fd = _open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct, "create")
+        dst_fd = open_fd(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct, "create")
         try:
             size = os.fstat(src_fd).st_size
             try:
@@ -299,10 +303,14 @@ def pread_batch(
     threads: int = 8,
     paths: Sequence[str | os.PathLike] | None = None,
     check: bool = True,
+    aligned: Sequence[bool] | np.ndarray | None = None,
 ) -> np.ndarray:
     """Read many (fd, offset, length) requests into one buffer, ``threads`` in flight.
 
     Request i lands at ``out[out_offsets[i]:]`` (default: packed in order).
+    Requests flagged in ``aligned`` read the 4096-byte-aligned range around
+    them and copy their bytes out, as descriptors opened with ``O_DIRECT``
+    (:func:`open_fd`) need.
     Returns each request's bytes read (short only at end of file) or -errno.
     With ``check``, a failed request raises an OSError-derived BBIOError naming
     ``paths[i]``.
@@ -333,6 +341,12 @@ def pread_batch(
             f"pread_batch: requests must have non-negative offsets and lengths and fit in "
             f"the {view.nbytes}-byte output buffer"
         )
+    flags = ffi.NULL
+    if aligned is not None:
+        aligned_arr = np.ascontiguousarray(aligned, dtype=np.uint8)
+        if aligned_arr.size != count:
+            raise UsageError("pread_batch: aligned must have one entry per request")
+        flags = ffi.from_buffer("uint8_t[]", aligned_arr)
     results = np.empty(count, dtype=np.int64)
     failures = ffi.new("int64_t *")
     _lib().bbio_pread_batch(
@@ -340,6 +354,7 @@ def pread_batch(
         ffi.from_buffer("int64_t[]", off_arr),
         ffi.from_buffer("int64_t[]", len_arr),
         ffi.from_buffer("int64_t[]", dst_arr),
+        flags,
         count,
         ffi.from_buffer(view),
         max(1, threads),

@@ -108,6 +108,14 @@ class Config:
         "for the PFS).  0: never.",
         minimum=0,
     )
+    read_odirect_bytes: int = _setting(
+        1 << 20,
+        "Collective reads: reads of at least this many bytes bypass the page cache "
+        "(O_DIRECT, where the file system allows it: FUSE clients such as GlusterFS's then "
+        "send the whole read at once).  The page cache then keeps nothing for a later epoch.  "
+        "0: never.",
+        minimum=0,
+    )
     ckpt_backpressure: str = _setting(
         "queue",
         "A save while earlier checkpoints still drain: queue (default, while the burst "

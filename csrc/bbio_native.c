@@ -700,6 +700,7 @@ struct batch {
     const int64_t *offsets;
     const int64_t *lengths;
     const int64_t *out_offsets;
+    const uint8_t *aligned;
     int64_t count;
     unsigned char *out;
     int64_t *results;
@@ -707,28 +708,101 @@ struct batch {
     int64_t failures; /* advanced atomically */
 };
 
+/* Read up to len bytes at off into buf, short only at end of file; -errno. */
+static int64_t pread_full(int fd, unsigned char *buf, int64_t len, int64_t off)
+{
+    int64_t done = 0;
+    while (done < len) {
+        ssize_t n = pread_retry(fd, buf + done, (size_t)(len - done), off + done);
+        if (n < 0)
+            return -(int64_t)errno;
+        if (n == 0)
+            break;
+        done += n;
+    }
+    return done;
+}
+
+/* Each reading thread's bounce buffer for aligned reads, kept for its next
+ * ones and freed when the thread exits. */
+struct bounce {
+    unsigned char *buf;
+    size_t cap;
+};
+static pthread_key_t bounce_key;
+static pthread_once_t bounce_once = PTHREAD_ONCE_INIT;
+
+static void bounce_free(void *arg)
+{
+    struct bounce *held = arg;
+    free(held->buf);
+    free(held);
+}
+
+static void bounce_key_make(void)
+{
+    pthread_key_create(&bounce_key, bounce_free);
+}
+
+static unsigned char *bounce(size_t need)
+{
+    pthread_once(&bounce_once, bounce_key_make);
+    struct bounce *held = pthread_getspecific(bounce_key);
+    if (held == NULL) {
+        held = calloc(1, sizeof *held);
+        if (held == NULL)
+            return NULL;
+        if (pthread_setspecific(bounce_key, held) != 0) {
+            free(held);
+            return NULL;
+        }
+    }
+    if (need > held->cap) {
+        void *grown;
+        if (posix_memalign(&grown, ALIGNMENT, need) != 0)
+            return NULL;
+        free(held->buf);
+        held->buf = grown;
+        held->cap = need;
+    }
+    return held->buf;
+}
+
+/* The aligned range around the request, read into the bounce buffer. */
+static int64_t pread_aligned(int fd, unsigned char *dst, int64_t want, int64_t off)
+{
+    int64_t start = off & ~(int64_t)(ALIGNMENT - 1);
+    int64_t end = (off + want + ALIGNMENT - 1) & ~(int64_t)(ALIGNMENT - 1);
+    unsigned char *tmp = bounce((size_t)(end - start));
+    if (tmp == NULL)
+        return -ENOMEM;
+    int64_t got = pread_full(fd, tmp, end - start, start);
+    if (got < 0)
+        return got;
+    int64_t avail = got - (off - start);
+    if (avail < 0)
+        avail = 0;
+    if (avail > want)
+        avail = want;
+    memcpy(dst, tmp + (off - start), (size_t)avail);
+    return avail;
+}
+
 static void read_one(struct batch *b, int64_t i)
 {
     unsigned char *dst = b->out + b->out_offsets[i];
-    int64_t done = 0, want = b->lengths[i];
+    int64_t want = b->lengths[i];
     if (want < 0 || b->offsets[i] < 0) {
         b->results[i] = -EINVAL;
         __atomic_fetch_add(&b->failures, 1, __ATOMIC_RELAXED);
         return;
     }
-    while (done < want) {
-        ssize_t n = pread_retry(b->fds[i], dst + done, (size_t)(want - done),
-                                b->offsets[i] + done);
-        if (n < 0) {
-            b->results[i] = -(int64_t)errno;
-            __atomic_fetch_add(&b->failures, 1, __ATOMIC_RELAXED);
-            return;
-        }
-        if (n == 0)
-            break;
-        done += n;
-    }
-    b->results[i] = done;
+    int64_t got = b->aligned && b->aligned[i]
+                      ? pread_aligned(b->fds[i], dst, want, b->offsets[i])
+                      : pread_full(b->fds[i], dst, want, b->offsets[i]);
+    if (got < 0)
+        __atomic_fetch_add(&b->failures, 1, __ATOMIC_RELAXED);
+    b->results[i] = got;
 }
 
 static void *batch_worker(void *arg)
@@ -744,10 +818,10 @@ static void *batch_worker(void *arg)
 
 int bbio_pread_batch(const int *fds, const int64_t *offsets,
                      const int64_t *lengths, const int64_t *out_offsets,
-                     int64_t count, void *out, int nthreads,
-                     int64_t *results, int64_t *failures)
+                     const uint8_t *aligned, int64_t count, void *out,
+                     int nthreads, int64_t *results, int64_t *failures)
 {
-    struct batch b = {fds, offsets, lengths, out_offsets, count, out,
+    struct batch b = {fds, offsets, lengths, out_offsets, aligned, count, out,
                       results, 0, 0};
     *failures = 0;
     if (count < 0)

@@ -44,9 +44,12 @@ int bbio_copy_files(const char *const *src, const char *const *dst, int64_t coun
 
 /* Batched positional reads: request i reads lengths[i] bytes of fds[i] at
  * offsets[i] into out + out_offsets[i].  nthreads threads keep requests in
- * flight.  OUT results[i]: bytes read (less than lengths[i] only at end of
- * file) or -errno.  OUT failures: how many requests failed. */
+ * flight.  A request with aligned[i] set (aligned may be NULL: none) reads the
+ * 4096-byte-aligned range around it into a per-thread bounce buffer and copies
+ * its bytes out, as an O_DIRECT descriptor needs.  OUT results[i]: bytes read
+ * (less than lengths[i] only at end of file) or -errno.  OUT failures: how
+ * many requests failed. */
 int bbio_pread_batch(const int *fds, const int64_t *offsets,
                      const int64_t *lengths, const int64_t *out_offsets,
-                     int64_t count, void *out, int nthreads,
-                     int64_t *results, int64_t *failures);
+                     const uint8_t *aligned, int64_t count, void *out,
+                     int nthreads, int64_t *results, int64_t *failures);

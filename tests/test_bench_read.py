@@ -45,6 +45,11 @@ def test_options_parse_and_sizes():
     assert set(CASES) == set(WORKLOADS)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["read", "--systems", "mystery"])
+    args = build_parser().parse_args(["read", "--case-steps", "bert=3, cosmoflow=400"])
+    assert args.case_steps == {"bert": 3, "cosmoflow": 400}
+    for wrong in ("bert=0", "mystery=2", "bert", "bert=x"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["read", "--case-steps", wrong])
 
 
 def test_counters_check_and_child_env(tmp_path, monkeypatch):
@@ -80,7 +85,18 @@ def test_read_suite_tiny_writes_documented_json(tmp_path):
     out = tmp_path / "read.json"
     pfs = tmp_path / "pfs"
     result = run_mpi(
-        RANKS, "-m", "bbio.bench", "read", "--json", str(out), "--pfs", str(pfs), *TINY, timeout=120
+        RANKS,
+        "-m",
+        "bbio.bench",
+        "read",
+        "--json",
+        str(out),
+        "--pfs",
+        str(pfs),
+        *TINY,
+        "--case-steps",
+        "bert=3",
+        timeout=120,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     doc = json.loads(out.read_text())
@@ -101,12 +117,14 @@ def test_read_suite_tiny_writes_documented_json(tmp_path):
     for case in CASES:
         sizes = info["cases"][case]
         assert sizes["samples"] * sizes["sample_bytes"] > (32 << 20) - sizes["sample_bytes"]
+        case_steps = 3 if case == "bert" else STEPS
+        assert sizes["steps"] == case_steps
         for system in ALL_SYSTEMS:
             metrics = dict(STEP_METRICS, au="ratio") if system in LOADERS else STEP_METRICS
             for metric, unit in metrics.items():
                 entry = results.pop((case, system, metric))
                 assert entry["unit"] == unit
-                steps = STEPS if system not in (*LOADERS, "seq-read") else 1
+                steps = case_steps if system not in (*LOADERS, "seq-read") else 1
                 assert len(entry["values"]) == steps, (case, system, metric)
                 assert all(v > 0 for v in entry["values"]), (case, system, metric, entry)
         for system in LOADERS:

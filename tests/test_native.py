@@ -219,6 +219,25 @@ def test_pread_batch_matches_reference(tmp_path, threads):
         os.close(fd)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_pread_batch_aligned_requests_through_o_direct(tmp_path, threads):
+    fds, offsets, lengths = _batch_case(tmp_path)
+    direct = {
+        fd: _native.open_fd(tmp_path / name, os.O_RDONLY, True, "open")
+        for fd, name in zip(fds[:2], "ab", strict=True)
+    }
+    aligned = [True, False, True, True, True, True]
+    mixed = [direct[fd] if flag else fd for fd, flag in zip(fds, aligned, strict=True)]
+    got = bytearray(sum(lengths))
+    expected = bytearray(sum(lengths))
+    out_offsets = list(np.cumsum([0, *lengths[:-1]]))
+    results = _native.pread_batch(mixed, offsets, lengths, got, threads=threads, aligned=aligned)
+    assert list(results) == ref.pread_batch(fds, offsets, lengths, expected, out_offsets)
+    assert got == expected
+    for fd in {*fds, *direct.values()}:
+        os.close(fd)
+
+
 def test_pread_batch_many_requests_scattered_output(tmp_path):
     data = random_bytes(1 << 20, seed=8)
     fd = os.open(write_file(tmp_path / "big", data), os.O_RDONLY)

@@ -129,6 +129,18 @@ def test_fixed_size_layouts(comm, datasets, kind, mode):
         assert ds.stats.bytes_needed == needed * 256
 
 
+@pytest.mark.parametrize("mode", ["aggregated", "alone"])
+def test_reads_bypassing_the_page_cache_give_the_same_bytes(comm, datasets, mode):
+    root, sizes, config = datasets
+    config = dataclasses.replace(config, read_odirect_bytes=1, **MODES[mode])
+    with bbio.open_dataset(comm, root / "packed", config=config) as ds:
+        ids = my_ids(comm, seed=5)
+        got = ds.read(ids)
+        assert [g.tobytes() for g in got] == [expected_variable(i, sizes) for i in ids]
+        tried = comm.allreduce(len(ds._direct_fds))
+        assert tried, "no read was sent through an O_DIRECT descriptor"
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_a_rank_with_nothing_to_read_and_samples_larger_than_the_buffer(comm, datasets, mode):
     root, sizes, _ = datasets

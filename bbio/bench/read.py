@@ -24,7 +24,8 @@ marker file per case: a later run with the same sizes reuses them.
 
 Every system reads exactly the same ids: at step s, rank r reads
 ``epoch_batches(N, ranks, batch, seed, 0, shuffle=True, drop_last=True)[s][r]``
-(a global shuffle), for ``--steps`` steps (full 20, ``--quick`` 4).  Before
+(a global shuffle), for ``--steps`` steps (full 20, ``--quick`` 4; a case named
+in ``--case-steps``, such as ``cosmoflow=400``, takes its own count).  Before
 its steps, each system reads one sample per rank of the epoch's last step,
 untimed (first calls load code lazily: bbio's first read imports
 ``numpy.ma``, 0.4 MB of ``.pyc`` per rank).  Systems:
@@ -183,6 +184,14 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--steps", type=at_least(1), help="steps per system (full 20, quick 4)")
     parser.add_argument(
+        "--case-steps",
+        type=_case_steps,
+        default={},
+        metavar="CASE=N,...",
+        help="steps per system of the named cases instead (cheap steps, such as "
+        "cosmoflow's, need many to average the file system's swings out)",
+    )
+    parser.add_argument(
         "--passes",
         type=at_least(1),
         default=1,
@@ -247,6 +256,19 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _case_steps(text: str) -> dict[str, int]:
+    """Option parser: ``CASE=N,...`` with known cases and N >= 1."""
+    chosen = {}
+    for item in (part.strip() for part in text.split(",") if part.strip()):
+        name, _, count = item.partition("=")
+        if name not in WORKLOADS or not count.isdigit() or int(count) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected CASE=N with CASE among {', '.join(WORKLOADS)} and N >= 1 (got {item!r})"
+            )
+        chosen[name] = int(count)
+    return chosen
+
+
 # ------------------------------------------------------------------ helpers shared with the worker
 
 
@@ -306,6 +328,7 @@ class Case:
     compute_s: float
     samples: int
     source: str
+    steps: int
 
     @property
     def file_bytes(self) -> int:
@@ -316,16 +339,18 @@ class Case:
 
 
 def make_cases(args: argparse.Namespace, ranks: int, file_size: int, steps: int) -> list[Case]:
-    """The chosen cases, scaled; each file holds at least what the run reads."""
+    """The chosen cases, scaled, with their steps (``steps`` unless ``--case-steps`` names
+    the case); each file holds at least what the run reads."""
     cases = []
     for name in args.cases:
         w = WORKLOADS[name]
         sample = max(2 * STAMP, round(w.sample_bytes * args.sample_scale))
         batch = max(1, round(w.batch * args.batch_scale))
+        case_steps = args.case_steps.get(name, steps)
         # at least the measured steps and one more (its first samples warm each system up)
-        samples = max(file_size // sample, (steps + 1) * ranks * batch)
+        samples = max(file_size // sample, (case_steps + 1) * ranks * batch)
         compute = w.compute_s * args.compute_scale
-        cases.append(Case(name, sample, batch, compute, samples, w.source))
+        cases.append(Case(name, sample, batch, compute, samples, w.source, case_steps))
     return cases
 
 
@@ -507,8 +532,8 @@ def child_env(component: str, aggregators: int) -> dict[str, str]:
 class ReadBench:
     """State of one suite run (the same object on every rank)."""
 
-    def __init__(self, ctx: BenchContext, cases: list[Case], data: Datasets, work: Path, steps):
-        self.ctx, self.cases, self.data, self.work, self.steps = ctx, cases, data, work, steps
+    def __init__(self, ctx: BenchContext, cases: list[Case], data: Datasets, work: Path):
+        self.ctx, self.cases, self.data, self.work = ctx, cases, data, work
         self.comm = ctx.comm
         self.rank, self.size = ctx.rank, ctx.comm.Get_size()
         self.args = ctx.args
@@ -531,7 +556,7 @@ class ReadBench:
             batches = epoch_batches(
                 case.samples, self.size, case.batch, self.args.seed, 0, True, True
             )
-            self.ids[case.name] = np.asarray(batches[:steps], dtype=np.int64)
+            self.ids[case.name] = np.asarray(batches[: case.steps], dtype=np.int64)
             # warm-up (untimed, before each system): one sample per rank of the epoch's last
             # step, never a measured one; it loads what a first call loads lazily
             self.warm[case.name] = np.asarray(batches[-1], dtype=np.int64)[:, :1]
@@ -609,7 +634,7 @@ class ReadBench:
         check_samples(read(self.warm[case.name][self.rank]), self.warm[case.name][self.rank], "")
         server = self._server_begin()
         own, step_seconds = [], []
-        for step in range(self.steps):
+        for step in range(case.steps):
             ids = self.ids[case.name][step][self.rank]
             requests_before = stats.requests if stats is not None else 0
             if self.args.cold_steps and self.rank == 0:
@@ -627,7 +652,7 @@ class ReadBench:
             self.record(case, system, seconds, syscr, rchar, needed)
             if stats is not None:
                 own.append((stats.requests - requests_before, syscr))
-        self._server_end(case, system, server, needed * self.steps)
+        self._server_end(case, system, server, needed * case.steps)
         self.step_times.setdefault((case.name, system), []).extend(step_seconds)
         if own:
             self.bbio_requests.setdefault(case.name, {})[system] = {
@@ -743,7 +768,7 @@ class ReadBench:
             start = time.perf_counter()
             try:
                 batches = iter(loader)
-                for step in range(self.steps):
+                for step in range(case.steps):
                     data = next(batches)
                     expected = self.ids[case.name][step][self.rank]
                     if not np.array_equal(loader.indices, expected):
@@ -765,7 +790,7 @@ class ReadBench:
         self._server_end(case, system, server, needed * fetched)
         if self.rank == 0:
             results = self.ctx.results
-            total = needed * self.steps
+            total = needed * case.steps
             results.add(
                 case.name, system, "samples_per_s", "samples/s", total / case.sample_bytes / wall
             )
@@ -945,16 +970,17 @@ def run(ctx: BenchContext) -> None:
     try:
         ctx.log(
             f"read suite: {comm.Get_size()} ranks, {RANKS_PER_NODE} per virtual node; "
-            f"PFS {pfs} ({fs_type(pfs)}); {sizes['steps']} steps; "
+            f"PFS {pfs} ({fs_type(pfs)}); "
             + "; ".join(
-                f"{c.name}: {c.samples} x {c.sample_bytes} B ({format_bytes(c.file_bytes)}), "
+                f"{c.name}: {c.steps} steps, {c.samples} x {c.sample_bytes} B "
+                f"({format_bytes(c.file_bytes)}), "
                 f"batch {c.batch}, compute {c.compute_s * 1000:.1f} ms"
                 for c in cases
             )
         )
         for case in cases:
             data.generate(case)
-        bench_run = ReadBench(ctx, cases, data, work, sizes["steps"])
+        bench_run = ReadBench(ctx, cases, data, work)
         ctx.nodes = -(-bench_run.size // RANKS_PER_NODE)
         if ctx.rank == 0 and bench_run.servers:
             ctx.log(f"GlusterFS bricks found (PIDs {bench_run.servers}): their reads are recorded")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import errno
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -310,6 +311,7 @@ class Dataset:
         )
         self.reads_alone = reads_alone(layout.extents, self.holders, config.read_direct_bytes)
         self._fds: dict[int, int] = {}
+        self._direct_fds: dict[int, int | None] = {}  # None: the file system refuses O_DIRECT
         self._reader: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __len__(self) -> int:
@@ -498,6 +500,18 @@ class Dataset:
             self._fds[f] = fd
         return fd
 
+    def _direct_fd(self, f: int) -> int | None:
+        """File ``f`` opened with ``O_DIRECT``; None if its file system refuses it (tmpfs)."""
+        if f not in self._direct_fds:
+            path = self._path(f)
+            try:
+                self._direct_fds[f] = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise from_oserror(exc, "open the dataset file", path, node=self.node) from None
+                self._direct_fds[f] = None
+        return self._direct_fds[f]
+
     def _aggregate(self, plan: ReadPlan, mine: np.ndarray, buffer: np.ndarray) -> None:
         """Read the plan's reads ``mine`` into their places in ``buffer``."""
         if mine.size == 0:
@@ -519,15 +533,24 @@ class Dataset:
         places: np.ndarray,
     ) -> None:
         """Read ``lengths`` bytes of ``files`` at ``offsets`` into ``out`` at ``places``,
-        ``io_threads`` in flight; a short read means the dataset changed."""
+        ``io_threads`` in flight; a short read means the dataset changed.  Reads of at
+        least ``read_odirect_bytes`` bypass the page cache (``O_DIRECT``) where the file
+        system allows it."""
+        threshold = self.config.read_odirect_bytes
+        fds, aligned = [], []
+        for f, length in zip(files.tolist(), lengths.tolist(), strict=True):
+            direct = self._direct_fd(f) if 0 < threshold <= length else None
+            fds.append(self._fd(f) if direct is None else direct)
+            aligned.append(direct is not None)
         got = _native.pread_batch(
-            [self._fd(int(f)) for f in files],
+            fds,
             offsets,
             lengths,
             out,
             places,
             threads=self.config.io_threads,
             paths=[self._path(int(f)) for f in files],
+            aligned=aligned,
         )
         short = np.flatnonzero(got != lengths)
         if short.size:
@@ -632,9 +655,11 @@ class Dataset:
         if self._reader is not None:
             self._reader.shutdown()
             self._reader = None
-        for fd in self._fds.values():
-            os.close(fd)
+        for fd in [*self._fds.values(), *self._direct_fds.values()]:
+            if fd is not None:
+                os.close(fd)
         self._fds.clear()
+        self._direct_fds.clear()
         self.comm.Free()
 
     def __enter__(self) -> Dataset:
