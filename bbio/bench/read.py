@@ -69,7 +69,9 @@ Caches: before every system of every case rank 0 runs ``sync`` and ``echo 1
 > /proc/sys/vm/drop_caches`` (needs root; ``--no-drop-caches`` skips it);
 with ``--cold-steps`` also before every step of the step systems (untimed):
 without it, what a system read in excess at one step (ROMIO's whole file
-domains) may be served from the page cache at the next.
+domains, the kernel's readahead past a buffered read) may be served from the
+page cache at a later one, which a dataset much larger than memory would not
+allow (the documented runs use it).
 
 Passes: ``--passes N`` measures every system N times, each pass in the
 reverse order of the one before (cases and systems, the MPI-IO jobs last
