@@ -476,7 +476,8 @@ def stage_in(
 def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreadable, config, start):
     dst_root = config.node_dir(dst, topo.node, topo.nodes_on_host)
     bb_dir = config.node_dir(config.bb_root, topo.node, topo.nodes_on_host)  # its registry
-    tree = walk(comm, src, include, exclude, config.stage_threads(topo.node_comm.Get_size()))
+    listers = config.stage_threads(topo.node_comm.Get_size())
+    tree = walk(comm, src, include, exclude, listers)
     problems = check_readable(tree, skip_unreadable, str(src))
     entries = _without(tree.entries, {p.path for p in problems})
     skipped = tree.skipped + problems
