@@ -180,7 +180,8 @@ def walk(
     with agreed(comm, f"walking {root}"):
         check_source(root)
     entries: list[Entry] = []
-    mine = _Listed()
+    skipped: list[Skipped] = []
+    unreadable: list[Skipped] = []
     level = [""]
     with ThreadPoolExecutor(max(1, listers), "bbio-walk") as pool:
 
@@ -191,16 +192,16 @@ def walk(
             ):
                 found.extend(listed.found)
                 subdirs.extend(listed.subdirs)
-                mine.skipped.extend(listed.skipped)
-                mine.unreadable.extend(listed.unreadable)
+                skipped.extend(listed.skipped)
+                unreadable.extend(listed.unreadable)
             return found, subdirs
 
         while level:
             parts = agreed_allgather(comm, f"walking {root}", list_my_share)
             entries.extend(entry for found, _ in parts for entry in found)
             level = sorted(rel for _, subdirs in parts for rel in subdirs)
-    skipped = sorted(_flatten(comm.allgather(mine.skipped)), key=lambda s: s.path)
-    unreadable = sorted(_flatten(comm.allgather(mine.unreadable)), key=lambda s: s.path)
+    skipped = sorted(_flatten(comm.allgather(skipped)), key=lambda s: s.path)
+    unreadable = sorted(_flatten(comm.allgather(unreadable)), key=lambda s: s.path)
     entries = sorted_entries(entries)
     if include or exclude:
         entries = _prune_empty_dirs(entries)
