@@ -142,19 +142,21 @@ def copy_range(
     return CopyResult(int(copied[0]), int(crc[0]) if checksum else None)
 
 
-def open_fd(
-    path: str | os.PathLike, flags: int, direct: bool, action: str, mode: int = 0o644
-) -> int:
-    """``os.open`` with ``O_DIRECT`` if ``direct`` and the file system takes it (tmpfs and
-    some FUSE mounts do not: then without); errors name ``path`` and ``action``."""
-    if direct:
-        try:
-            return os.open(path, flags | os.O_DIRECT, mode)
-        except OSError as exc:  # tmpfs and some FUSE mounts refuse O_DIRECT
-            if exc.errno != errno.EINVAL:
-                raise errno_error(exc.errno, action, path) from None
+def open_direct(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int | None:
+    """``os.open`` with ``O_DIRECT``; None where the file system refuses it (tmpfs and
+    some FUSE mounts).  Other failures raise their OSError."""
     try:
-        return os.open(path, flags, mode)
+        return os.open(path, flags | os.O_DIRECT, mode)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return None
+        raise
+
+
+def _open(path: str | os.PathLike, flags: int, direct: bool, action: str, mode: int = 0o644) -> int:
+    try:
+        fd = open_direct(path, flags, mode) if direct else None
+        return os.open(path, flags, mode) if fd is None else fd
     except OSError as exc:
         raise errno_error(exc.errno, action, path) from None
 
@@ -193,9 +195,9 @@ def copy_file(
     ``direct`` opens both with O_DIRECT where the file system allows it.  Does
     not fsync and does not rename: the transfer layer does that.
     """
-    src_fd = open_fd(src, os.O_RDONLY, direct, "open for reading")
+    src_fd = _open(src, os.O_RDONLY, direct, "open for reading")
     try:
-        dst_fd = open_fd(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct, "create")
+        dst_fd = _open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct, "create")
         try:
             size = os.fstat(src_fd).st_size
             try:
@@ -310,7 +312,7 @@ def pread_batch(
     Request i lands at ``out[out_offsets[i]:]`` (default: packed in order).
     Requests flagged in ``aligned`` read the 4096-byte-aligned range around
     them and copy their bytes out, as descriptors opened with ``O_DIRECT``
-    (:func:`open_fd`) need.
+    (:func:`open_direct`) need.
     Returns each request's bytes read (short only at end of file) or -errno.
     With ``check``, a failed request raises an OSError-derived BBIOError naming
     ``paths[i]``.

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import errno
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -505,11 +504,9 @@ class Dataset:
         if f not in self._direct_fds:
             path = self._path(f)
             try:
-                self._direct_fds[f] = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                self._direct_fds[f] = _native.open_direct(path, os.O_RDONLY)
             except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise from_oserror(exc, "open the dataset file", path, node=self.node) from None
-                self._direct_fds[f] = None
+                raise from_oserror(exc, "open the dataset file", path, node=self.node) from None
         return self._direct_fds[f]
 
     def _aggregate(self, plan: ReadPlan, mine: np.ndarray, buffer: np.ndarray) -> None:
