@@ -142,6 +142,19 @@ def copy_range(
     return CopyResult(int(copied[0]), int(crc[0]) if checksum else None)
 
 
+def pwrite_crc(fd: int, data, offset: int, path: str | os.PathLike | None = None) -> int:
+    """Write all of the contiguous buffer ``data`` into ``fd`` at ``offset``; returns the
+    bytes' CRC32C, computed in the same pass.  ``path`` only names the file in errors."""
+    view = memoryview(data)
+    if not view.contiguous:
+        raise UsageError("pwrite_crc needs a contiguous buffer")
+    crc = ffi.new("uint32_t *")
+    err = _lib().bbio_pwrite_crc(fd, ffi.from_buffer(view), view.nbytes, offset, crc)
+    if err:
+        raise errno_error(err, "write", path)
+    return int(crc[0])
+
+
 def open_direct(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int | None:
     """``os.open`` with ``O_DIRECT``; None where the file system refuses it (tmpfs and
     some FUSE mounts).  Other failures raise their OSError."""

@@ -513,6 +513,27 @@ int bbio_copy_range(int src_fd, int dst_fd, int64_t src_off, int64_t dst_off,
     return err;
 }
 
+#define PWRITE_CRC_CHUNK (256 << 10) /* CRC'd, then written, while in L2 */
+
+int bbio_pwrite_crc(int fd, const void *buf, int64_t len, int64_t off, uint32_t *crc)
+{
+    const unsigned char *p = buf;
+    *crc = 0;
+    if (len < 0 || off < 0)
+        return EINVAL;
+    while (len > 0) {
+        size_t n = len < PWRITE_CRC_CHUNK ? (size_t)len : PWRITE_CRC_CHUNK;
+        int err = pwrite_all(fd, p, n, off);
+        if (err)
+            return err;
+        *crc = bbio_crc32c(*crc, p, n);
+        p += n;
+        off += (int64_t)n;
+        len -= (int64_t)n;
+    }
+    return 0;
+}
+
 /* A pool of worker threads, created on first need and kept: batched calls
  * come every training step, and creating threads each time costs more than the
  * small reads they do.  One batch runs at a time; the calling thread works too.

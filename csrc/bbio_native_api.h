@@ -29,6 +29,11 @@ int bbio_copy_range(int src_fd, int dst_fd, int64_t src_off, int64_t dst_off,
 #define BBIO_COPY_CRC 1
 #define BBIO_COPY_NO_COPY_FILE_RANGE 2
 
+/* Write len bytes of buf into fd at off (retrying short writes), with their
+ * CRC32C computed in the same pass, a chunk at a time while it is in cache.
+ * OUT crc: the CRC32C of the bytes (of those written before an error). */
+int bbio_pwrite_crc(int fd, const void *buf, int64_t len, int64_t off, uint32_t *crc);
+
 /* Copy count whole files, nthreads at a time: src[i] into dst[i] (created
  * or truncated, mode 0600), CRC32C in the same pass when BBIO_COPY_CRC.
  * IN  modes, mtimes_ns (both NULL, or both set): then each copy is sealed

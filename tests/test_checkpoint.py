@@ -11,6 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import crc32c
 import h5py
 import numpy as np
 import pytest
@@ -89,6 +90,31 @@ def test_save_drain_commit_and_restore_per_rank_state(comm, shared_tmp):
     with h5py.File(pfs / "step-00000030" / "global.h5", "r") as f:  # plain h5py, no bbio
         assert np.array_equal(f[f"model/w/r{rank:05d}"][:], state(30, rank)["model/w"])
         assert int(f[f"optimizer/step/r{rank:05d}"][()]) == 30
+
+
+def test_node_files_are_plain_hdf5_with_each_arrays_crc(comm, shared_tmp):
+    rank = comm.Get_rank()
+    arrays = {
+        "big_endian": np.arange(1000, dtype=">f8") * rank,
+        "flags": np.arange(13) % (rank + 2) == 0,
+        "complex": np.full((3, 5), 1 + 2j * rank, dtype=np.complex64),
+        "names": np.array([b"alpha", f"rank{rank}".encode()], dtype="S8"),
+        "scalar": np.int16(-rank),
+        "empty": np.zeros(0, dtype=np.uint32),
+    }
+    with bbio.Checkpointer(comm, "plain", config=config_for(comm, shared_tmp)) as ckpt:
+        ckpt.save(7, arrays).wait(timeout=60)
+    node_file = (
+        shared_tmp / "bb" / str(node_of(comm)) / "ckpt" / "plain" / layout.step_dirname(7)
+    ) / layout.node_filename(node_of(comm))
+    with h5py.File(node_file, "r") as f:  # plain h5py, no MPI, no bbio
+        for key, value in arrays.items():
+            dataset = f[layout.rank_dataset(key, rank)]
+            stored = dataset[()]
+            assert stored.dtype == value.dtype and stored.shape == np.shape(value), key
+            assert np.array_equal(stored, value), key
+            raw = np.ascontiguousarray(value).tobytes()
+            assert int(dataset.attrs["crc32c"]) == crc32c.crc32c(raw), key
 
 
 def test_global_arrays_restore_any_slice_with_fewer_ranks(comm, shared_tmp):

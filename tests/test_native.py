@@ -194,6 +194,30 @@ def test_copy_range_bad_descriptor_names_source(tmp_path):
     assert info.value.filename == "the-source"
 
 
+@pytest.mark.parametrize("size", [0, 1, (256 << 10) - 1, (256 << 10) + 1, (3 << 20) + 7])
+def test_pwrite_crc_writes_at_offset_and_checksums(tmp_path, size):
+    data = random_bytes(size, seed=size)
+    path = write_file(tmp_path / "f", b"x" * 10)
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        crc = _native.pwrite_crc(fd, np.frombuffer(data, np.uint8), 5, path)
+    finally:
+        os.close(fd)
+    assert crc == crc32c_package.crc32c(data)
+    expected = b"xxxxx" + data if size >= 5 else b"xxxxx" + data + b"x" * (5 - size)
+    assert path.read_bytes() == expected
+
+
+def test_pwrite_crc_failure_names_the_path():
+    fd = os.open("/dev/full", os.O_WRONLY)
+    try:
+        with pytest.raises(NoSpaceError) as info:
+            _native.pwrite_crc(fd, b"data", 0, "/dev/full")
+    finally:
+        os.close(fd)
+    assert info.value.filename == "/dev/full"
+
+
 def _batch_case(tmp_path):
     data_a = random_bytes(10_000, seed=1)
     data_b = random_bytes(5_000, seed=2)
