@@ -344,12 +344,16 @@ def test_virtual_nodes_sharing_one_burst_buffer_are_refused(comm, shared_tmp):
 def test_bad_state_is_the_same_clear_error_everywhere(comm, shared_tmp):
     config = config_for(comm, shared_tmp)
     with bbio.Checkpointer(comm, "bad", config=config) as ckpt:
-        arrays = {"ok": np.zeros(3)}
-        if comm.Get_rank() == 1:
-            arrays = {"text": np.array(["not", "storable"])}
-        with pytest.raises(bbio.UsageError) as info:
-            ckpt.save(1, arrays)
-        assert "cannot store" in str(info.value)
-        assert comm.allgather(str(info.value)) == [str(info.value)] * comm.Get_size()
+        for bad in (
+            np.array(["not", "storable"]),
+            np.zeros(2, dtype=[("step", "i8"), ("loss", "f4")]),
+        ):
+            arrays = {"ok": np.zeros(3)}
+            if comm.Get_rank() == 1:
+                arrays = {"bad": bad}
+            with pytest.raises(bbio.UsageError) as info:
+                ckpt.save(1, arrays)
+            assert "cannot store" in str(info.value) and str(bad.dtype) in str(info.value)
+            assert comm.allgather(str(info.value)) == [str(info.value)] * comm.Get_size()
         with pytest.raises(bbio.NotFoundError, match="no complete checkpoint"):
             ckpt.restore()

@@ -50,10 +50,11 @@ def describe(arrays: Mapping[str, Any]) -> dict[str, dict]:
     for key, value in arrays.items():
         check_key(key)
         data = value.data if isinstance(value, Shard) else np.asarray(value)
-        if data.dtype.hasobject or data.dtype.kind == "U":
+        if data.dtype.hasobject or data.dtype.kind == "U" or data.dtype.names is not None:
             raise UsageError(
-                f"state {key!r} has dtype {data.dtype}, which HDF5 cannot store",
-                hint="store numbers, bytes ('S') or raw bytes (np.frombuffer(b, np.uint8))",
+                f"state {key!r} has dtype {data.dtype}, which bbio cannot store",
+                hint="store numbers, bytes ('S') or raw bytes (np.frombuffer(b, np.uint8)); "
+                "store each field of a structured array as an array of its own",
             )
         entry: dict[str, Any] = {
             "shape": list(data.shape),
