@@ -513,7 +513,7 @@ int bbio_copy_range(int src_fd, int dst_fd, int64_t src_off, int64_t dst_off,
     return err;
 }
 
-#define PWRITE_CRC_CHUNK (256 << 10) /* CRC'd, then written, while in L2 */
+#define PWRITE_CRC_CHUNK (256 << 10) /* written, then CRC'd while still in L2 */
 
 int bbio_pwrite_crc(int fd, const void *buf, int64_t len, int64_t off, uint32_t *crc)
 {
