@@ -9,10 +9,11 @@ form virtual nodes of 2 (4 ranks: 2 nodes).  The case is the per-rank size
 (``64MiB``).  Metric ``seconds``, each value the maximum over the ranks of
 one measurement that starts after a barrier:
 
-* ``bbio``: the blocking time of ``Checkpointer.save`` (CRC32C of the arrays,
-  each node's HDF5 file written collectively into its burst buffer, fsync,
-  rename, the drain's journal entry); ``bbio-committed``: from the same start
-  until ``SaveHandle.wait()`` returns (the drain processes copied, verified
+* ``bbio``: the blocking time of ``Checkpointer.save`` (each node's HDF5 file
+  laid out collectively in its burst buffer, every rank's arrays written into
+  it with their CRC32C, fsync, rename, the drain's journal entry);
+  ``bbio-committed``: from the same start until ``SaveHandle.wait()`` returns
+  (the drain processes copied, verified
   and committed the checkpoint on the PFS).  One checkpointer serves the whole
   run, so its drain processes stay up as they would in training.
 * ``h5py-sync``: the baseline, a synchronous write of the same arrays straight
@@ -21,8 +22,8 @@ one measurement that starts after a barrier:
   fsync by rank 0.
 * ``h5py-bb``: the same h5py write in bbio's layout, one file per node (driver
   ``mpio`` on the node communicator) into the burst buffer, fsync by the node
-  leader, and nothing else: what HDF5 costs bbio's ``save`` before its own
-  work (CRC32C, agreement, records).
+  leader, and nothing else: HDF5's own floor for bbio's ``save``, which also
+  checksums the arrays, agrees on the outcome and writes records.
 * ``dcp-async`` and ``dcp-async-committed``: the peer,
   ``torch.distributed.checkpoint.async_save`` of the same arrays as CPU tensors
   (``torch.from_numpy``, keys prefixed with the rank so that nothing is
