@@ -13,9 +13,9 @@ one measurement that starts after a barrier:
   laid out collectively in its burst buffer, every rank's arrays written into
   it with their CRC32C, fsync, rename, the drain's journal entry);
   ``bbio-committed``: from the same start until ``SaveHandle.wait()`` returns
-  (the drain processes copied, verified
-  and committed the checkpoint on the PFS).  One checkpointer serves the whole
-  run, so its drain processes stay up as they would in training.
+  (the drain processes copied, verified and committed the checkpoint on the
+  PFS).  One checkpointer serves the whole run, so its drain processes stay up
+  as they would in training.
 * ``h5py-sync``: the baseline, a synchronous write of the same arrays straight
   to the PFS: one HDF5 file (h5py, driver ``mpio``, ``COMM_WORLD``), every
   rank's datasets created collectively, each rank writing its own; close, then
