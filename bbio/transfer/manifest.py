@@ -50,7 +50,14 @@ class Entry:
     def committed(self, crc32c: int | None, node: int | None) -> Entry:
         """This entry with its CRC32C and (shard mode) holding node filled in."""
         return Entry(
-            self.path, self.kind, self.size, self.mtime_ns, self.mode, crc32c, self.target, node
+            path=self.path,
+            kind=self.kind,
+            size=self.size,
+            mtime_ns=self.mtime_ns,
+            mode=self.mode,
+            crc32c=crc32c,
+            target=self.target,
+            node=node,
         )
 
     def same_version(self, other: Entry) -> bool:
