@@ -171,11 +171,13 @@ def agreed(comm, what: str, totals: np.ndarray | None = None) -> Iterator[None]:
         raise agreed_error(failures, what, comm.Get_size()) from local
 
 
-def agreed_allgather(comm, what: str, fn: Callable[[], T]) -> list[T]:
+def agreed_allgather(comm, what: str, fn: Callable[[], T], quiet: bool = False) -> list[T]:
     """Collective over ``comm``: run ``fn()`` on every rank and allgather the results.
 
     Like :func:`agreed` and an ``allgather`` in one collective: if ``fn``
-    raises on any rank, every rank raises the same error instead.
+    raises on any rank, every rank raises the same error instead.  With
+    ``quiet``, ranks wait for the slowest ``fn`` without spinning
+    (:func:`wait_quietly` on a barrier), when ``fn`` takes long and unevenly.
     """
     local: Exception | None = None
     result = None
@@ -183,6 +185,8 @@ def agreed_allgather(comm, what: str, fn: Callable[[], T]) -> list[T]:
         result = fn()
     except Exception as exc:
         local = exc
+    if quiet:
+        wait_quietly(comm.Ibarrier())
     outcomes = comm.allgather((None if local is None else _describe(local), result))
     failures = [(r, *o) for r, (o, _) in enumerate(outcomes) if o is not None]
     if failures:

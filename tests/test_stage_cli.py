@@ -376,8 +376,9 @@ def test_unreadable_file(world_tmp):
 
 def test_unreadable_directory_is_named(world_tmp):
     src = world_tmp / "src"
-    make_tree(src, {"ok.bin": 100, "locked/inside.bin": 100})
+    make_tree(src, {"ok.bin": 100, "locked/inside.bin": 100, "listonly/inside.bin": 100})
     (src / "locked").chmod(0o000)
+    (src / "listonly").chmod(0o444)  # its names can be read, not stat'ed
     prefix, extra_env = _unprivileged(world_tmp)
     env = {**os.environ, **MPI_ENV, **extra_env, "BBIO_RANKS_PER_NODE": "1"}
     command = [*prefix, "mpirun", "-n", "2", sys.executable, "-m", "bbio", "stage-in"]
@@ -390,9 +391,11 @@ def test_unreadable_directory_is_named(world_tmp):
         cwd=world_tmp,
     )
     (src / "locked").chmod(0o755)
+    (src / "listonly").chmod(0o755)
     assert failed.returncode != 0
     error_line = next(line for line in failed.stderr.splitlines() if "bbio: error:" in line)
     assert "locked: cannot list directory" in error_line, failed.stderr
+    assert "listonly/inside.bin: cannot stat" in error_line, failed.stderr
     assert "Traceback" not in failed.stderr
 
 

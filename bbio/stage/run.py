@@ -263,7 +263,7 @@ def _copy_loop(job: _Transfer, todo: list[Entry]) -> _Copied:
     midway keeps every round it finished.
     """
     comm, topo = job.comm, job.topo
-    sizes = allgather_dict(comm, {e.path: e.size for e in todo})
+    sizes = allgather_dict(comm, {e.path: e.size for e in todo} if topo.is_leader else {})
     mine = {e.path: e for e in todo}
     copied = _Copied()
     total, total_files = sum_over_ranks(
@@ -522,7 +522,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
             _verify_copies(
                 topo.node_comm, dst_root, node_crcs, {e.path: e for e in mine}, topo.node
             )
-    all_crcs = allgather_dict(comm, node_crcs if topo.is_leader else {})
+    all_crcs = allgather_dict(topo.leader_comm, node_crcs) if topo.is_leader else {}
     with agreed(comm, "stage-in: finishing directories and writing the manifest"):
         if topo.is_leader:
             _finish_dirs(dst_root, dirs)

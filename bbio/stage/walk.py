@@ -16,7 +16,7 @@ import dataclasses
 import fnmatch
 import os
 import stat
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -90,13 +90,10 @@ def _symlink_entry(root: Path, rel: str, st: os.stat_result) -> Entry | Skipped:
 
 
 def _stat_one(
-    root: Path, rel: str, include: Sequence[str], exclude: Sequence[str]
+    root: Path, rel: str, st: os.stat_result, include: Sequence[str], exclude: Sequence[str]
 ) -> Entry | Skipped | None:
-    """The entry for ``rel``; Skipped for things never copied; None if filtered out or gone."""
-    try:
-        st = os.lstat(root / rel)
-    except FileNotFoundError:
-        return None  # removed since it was listed
+    """The entry for ``rel`` (whose ``lstat`` is ``st``); Skipped for things never copied;
+    None if filtered out."""
     mode = stat.S_IMODE(st.st_mode)
     if stat.S_ISDIR(st.st_mode):
         return Entry(rel, DIR, mtime_ns=st.st_mtime_ns, mode=mode)
@@ -109,18 +106,51 @@ def _stat_one(
     return Skipped(rel, "special file (device, FIFO or socket); not copied")
 
 
-def _list_dir(root: Path, rel: str, unreadable: list[Skipped]) -> Iterator[str]:
-    """The names in directory ``rel``, as they are read (a listing refused goes to
-    ``unreadable``; a directory gone since it was found lists nothing)."""
+def readable(path: str, st: os.stat_result) -> bool:
+    """Whether this process may read the regular file ``path`` whose ``lstat`` is ``st``.
+
+    Its mode bits answer when they grant reading to everyone, or to its owner
+    when that is this (non-root) user; otherwise the kernel is asked
+    (``access``), which also applies ACLs and squashed root.
+    """
+    if st.st_mode & stat.S_IROTH:
+        return True
+    euid = os.geteuid()
+    if euid != 0 and st.st_uid == euid and st.st_mode & stat.S_IRUSR:
+        return True
+    return os.access(path, os.R_OK, effective_ids=True)
+
+
+def _list_and_stat(root: Path, rel: str, include: Sequence[str], exclude: Sequence[str]) -> _Listed:
+    """List directory ``rel`` and stat each name as soon as it is read."""
+    listed = _Listed()
     try:
-        with os.scandir(root / rel) as it:
+        with os.scandir(os.path.join(root, rel) if rel else os.fspath(root)) as it:
             for item in it:
-                if not (is_temp_name(item.name) or (rel == "" and item.name == META_DIR)):
-                    yield f"{rel}/{item.name}" if rel else item.name
+                if is_temp_name(item.name) or (rel == "" and item.name == META_DIR):
+                    continue
+                name = f"{rel}/{item.name}" if rel else item.name
+                try:
+                    st = item.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed since it was listed
+                except PermissionError as exc:
+                    listed.unreadable.append(Skipped(name, f"cannot stat: {exc.strerror}"))
+                    continue
+                found = _stat_one(root, name, st, include, exclude)
+                if isinstance(found, Skipped):
+                    listed.skipped.append(found)
+                elif found is not None:
+                    listed.found.append(found)
+                    if found.kind == DIR:
+                        listed.subdirs.append(name)
+                    elif found.kind == FILE and not readable(item.path, st):
+                        listed.unreadable.append(Skipped(name, "permission denied"))
     except PermissionError as exc:
-        unreadable.append(Skipped(rel or ".", f"cannot list directory: {exc.strerror}"))
+        listed.unreadable.append(Skipped(rel or ".", f"cannot list directory: {exc.strerror}"))
     except FileNotFoundError:
-        return
+        pass  # a directory gone since it was found lists nothing
+    return listed
 
 
 def _flatten(lists: list[list]) -> list:
@@ -143,22 +173,6 @@ class _Listed:
     subdirs: list[str] = dataclasses.field(default_factory=list)
     skipped: list[Skipped] = dataclasses.field(default_factory=list)
     unreadable: list[Skipped] = dataclasses.field(default_factory=list)
-
-
-def _list_and_stat(root: Path, rel: str, include: Sequence[str], exclude: Sequence[str]) -> _Listed:
-    """List directory ``rel`` and stat each name as soon as it is read."""
-    listed = _Listed()
-    for name in _list_dir(root, rel, listed.unreadable):
-        item = _stat_one(root, name, include, exclude)
-        if isinstance(item, Skipped):
-            listed.skipped.append(item)
-        elif item is not None:
-            listed.found.append(item)
-            if item.kind == DIR:
-                listed.subdirs.append(name)
-            elif item.kind == FILE and not os.access(root / name, os.R_OK, effective_ids=True):
-                listed.unreadable.append(Skipped(name, "permission denied"))
-    return listed
 
 
 def walk(
@@ -197,7 +211,7 @@ def walk(
             return found, subdirs
 
         while level:
-            parts = agreed_allgather(comm, f"walking {root}", list_my_share)
+            parts = agreed_allgather(comm, f"walking {root}", list_my_share, quiet=True)
             entries.extend(entry for found, _ in parts for entry in found)
             level = sorted(rel for _, subdirs in parts for rel in subdirs)
     skipped = sorted(_flatten(comm.allgather(skipped)), key=lambda s: s.path)
