@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -9,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import crc32c
@@ -188,6 +190,49 @@ def test_a_partial_checkpoint_is_never_restored(comm, shared_tmp):
         comm.Barrier()
         step, arrays, _ = ckpt.restore()
         assert step == 1 and same(arrays, state(1, rank))
+
+
+class _DeviceState(Mapping):
+    """Arrays produced on each read, as from a device; counts the reads of each key and,
+    given ``lost_on_read``, fails that read of every key."""
+
+    def __init__(self, arrays: dict, lost_on_read: int | None = None) -> None:
+        self.arrays, self.lost_on_read = arrays, lost_on_read
+        self.reads: collections.Counter = collections.Counter()
+
+    def __getitem__(self, key):
+        self.reads[key] += 1
+        if self.reads[key] == self.lost_on_read:
+            raise RuntimeError(f"device lost while copying {key}")
+        return self.arrays[key]
+
+    def __iter__(self):
+        return iter(self.arrays)
+
+    def __len__(self) -> int:
+        return len(self.arrays)
+
+
+def test_a_rank_failing_while_writing_fails_the_save_on_every_rank(comm, shared_tmp):
+    """One rank's state fails as its bytes are written (its last read in a save): no hang,
+    the same error on every rank, nothing committed, and the next save works."""
+    config = config_for(comm, shared_tmp)
+    rank, victim = comm.Get_rank(), comm.Get_size() - 1
+    with bbio.Checkpointer(comm, "w", config=config) as ckpt:
+        counted = _DeviceState(state(1, rank))
+        ckpt.save(1, counted).wait(timeout=60)
+        last_read = max(counted.reads.values())
+        arrays = state(2, rank)
+        with pytest.raises(bbio.BBIOError) as info:
+            ckpt.save(2, _DeviceState(arrays, last_read) if rank == victim else arrays)
+        message = str(info.value)
+        assert comm.allgather(message) == [message] * comm.Get_size()
+        assert "node-00001.h5" in message and "device lost while copying" in message, message
+        assert not list((shared_tmp / "bb" / "1" / "ckpt" / "w" / "step-00000002").glob("*.h5"))
+        ckpt.save(3, state(3, rank)).wait(timeout=60)
+        step, restored, _ = ckpt.restore()
+        assert step == 3 and same(restored, state(3, rank))
+        assert 2 not in [info.step for info in ckpt.list()]
 
 
 def test_backpressure_skip_and_block(comm, shared_tmp):

@@ -226,25 +226,33 @@ class Checkpointer:
                     step_dir.mkdir(parents=True, exist_ok=True)
                 self._drop_unused_bb_step_dir(step)
         node_specs = [(r, all_specs[r]) for r in self.node_ranks]
-        with agreed(comm, f"checkpoint {self.name} step {step}: writing"):
-            size = write_node_file(
-                self.topo.node_comm,
-                step_dir / layout.node_filename(self.node),
-                self.rank,
-                arrays,
-                node_specs,
-                file_attrs(
-                    step,
-                    when,
-                    self.size,
-                    self.nodes,
-                    self.node,
-                    self.node_ranks,
-                    kind,
-                    shapes,
-                    attrs,
-                ),
-            )
+        node_file = step_dir / layout.node_filename(self.node)
+        try:
+            with agreed(comm, f"checkpoint {self.name} step {step}: writing"):
+                size = write_node_file(
+                    self.topo.node_comm,
+                    node_file,
+                    self.rank,
+                    arrays,
+                    node_specs,
+                    file_attrs(
+                        step,
+                        when,
+                        self.size,
+                        self.nodes,
+                        self.node,
+                        self.node_ranks,
+                        kind,
+                        shapes,
+                        attrs,
+                    ),
+                )
+        except BBIOError:
+            if self.topo.is_leader:  # the nodes that wrote withdraw their file
+                node_file.unlink(missing_ok=True)
+                self._drop_unused_bb_step_dir(step)
+            raise
+        with agreed(comm, f"checkpoint {self.name} step {step}: recording"):
             if self.topo.is_leader:
                 self._record(step_dir, step, when, size, direct)
                 if not direct:

@@ -82,7 +82,8 @@ def write_node_file(
     :func:`describe`) of every rank of the node, the same on each; ``attrs``
     the file's root attributes (the same on every rank).  Returns the file's
     size on the node's rank 0, once the file is durable under its final name
-    there; other ranks return 0 before that.
+    there; other ranks return 0 before that.  A rank whose write fails makes
+    every rank of the node raise its error (the file is never renamed).
     """
     h5py = _h5py()
     temp = files.temp_path(path)
@@ -105,10 +106,18 @@ def write_node_file(
                 if "start" in entry:
                     dataset.attrs["start"] = entry["start"]
                     dataset.attrs["global_shape"] = entry["global_shape"]
-        crcs = _write_raw(temp, f, rank, arrays)
-        for owner_crcs in node_comm.allgather(crcs):
-            for name, crc in owner_crcs.items():
-                f[name].attrs["crc32c"] = crc
+        crcs, failure = {}, None
+        try:
+            crcs = _write_raw(temp, f, rank, arrays)
+        except Exception as exc:  # shared first: the file's close is collective
+            failure = exc
+        shared = node_comm.allgather(None if failure else crcs)
+        if failure is not None:
+            raise failure
+        if all(owner_crcs is not None for owner_crcs in shared):
+            for owner_crcs in shared:
+                for name, crc in owner_crcs.items():
+                    f[name].attrs["crc32c"] = crc
     if node_comm.Get_rank() != 0:
         return 0
     fd = os.open(temp, os.O_RDONLY)
