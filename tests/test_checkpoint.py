@@ -228,7 +228,8 @@ def test_a_rank_failing_while_writing_fails_the_save_on_every_rank(comm, shared_
         message = str(info.value)
         assert comm.allgather(message) == [message] * comm.Get_size()
         assert "node-00001.h5" in message and "device lost while copying" in message, message
-        assert not list((shared_tmp / "bb" / "1" / "ckpt" / "w" / "step-00000002").glob("*.h5"))
+        for node in ("0", "1"):  # withdrawn: no file, temporary file or record is left
+            assert not (shared_tmp / "bb" / node / "ckpt" / "w" / "step-00000002").exists()
         ckpt.save(3, state(3, rank)).wait(timeout=60)
         step, restored, _ = ckpt.restore()
         assert step == 3 and same(restored, state(3, rank))

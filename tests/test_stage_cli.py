@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import pty
+import pwd
 import re
 import select
 import shutil
@@ -374,6 +375,42 @@ def test_unreadable_file(world_tmp):
         assert [s["path"] for s in document["attrs"]["skipped"]] == ["sub/secret.bin"]
 
 
+_READABLE_PROBE = (
+    "import json, os, sys; from bbio.stage.walk import readable; "
+    "print(json.dumps({p: [readable(p, os.lstat(p)), os.access(p, os.R_OK, effective_ids=True)] "
+    "for p in sys.argv[1:]}))"
+)
+
+
+def test_readable_agrees_with_the_kernel_for_another_user(world_tmp):
+    """The walk's readability check, run as an unprivileged user on files it owns and
+    files it does not, with every combination of read bits."""
+    prefix, extra_env = _unprivileged(world_tmp)
+    owners = [(os.getuid(), os.getgid())]
+    if prefix[:1] == ["runuser"]:
+        nobody = pwd.getpwnam("nobody")
+        owners.append((nobody.pw_uid, nobody.pw_gid))
+    paths = []
+    for uid, gid in owners:
+        for mode in (0o444, 0o440, 0o404, 0o400, 0o044, 0o040, 0o004, 0o000):
+            path = world_tmp / f"f-{uid}-{mode:03o}"
+            path.write_bytes(b"data")
+            os.chown(path, uid, gid)
+            path.chmod(mode)
+            paths.append(str(path))
+    probe = subprocess.run(
+        [*prefix, sys.executable, "-c", _READABLE_PROBE, *paths],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **extra_env},
+        timeout=60,
+        cwd=world_tmp,
+    )
+    assert probe.returncode == 0, probe.stderr
+    answers = json.loads(probe.stdout)
+    assert {p: a for p, (a, b) in answers.items() if a != b} == {}, answers
+
+
 def test_unreadable_directory_is_named(world_tmp):
     src = world_tmp / "src"
     make_tree(src, {"ok.bin": 100, "locked/inside.bin": 100, "listonly/inside.bin": 100})
@@ -382,21 +419,29 @@ def test_unreadable_directory_is_named(world_tmp):
     prefix, extra_env = _unprivileged(world_tmp)
     env = {**os.environ, **MPI_ENV, **extra_env, "BBIO_RANKS_PER_NODE": "1"}
     command = [*prefix, "mpirun", "-n", "2", sys.executable, "-m", "bbio", "stage-in"]
-    failed = subprocess.run(
-        [*command, str(src), str(world_tmp / "dst" / "{node}")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=60,
-        cwd=world_tmp,
-    )
-    (src / "locked").chmod(0o755)
-    (src / "listonly").chmod(0o755)
-    assert failed.returncode != 0
-    error_line = next(line for line in failed.stderr.splitlines() if "bbio: error:" in line)
-    assert "locked: cannot list directory" in error_line, failed.stderr
-    assert "listonly/inside.bin: cannot stat" in error_line, failed.stderr
-    assert "Traceback" not in failed.stderr
+
+    def error_line(*flags: str) -> str:
+        failed = subprocess.run(
+            [*command, *flags, str(src), str(world_tmp / "dst" / "{node}")],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            cwd=world_tmp,
+        )
+        assert failed.returncode != 0
+        assert "Traceback" not in failed.stderr
+        return next(line for line in failed.stderr.splitlines() if "bbio: error:" in line)
+
+    try:
+        everything = error_line()
+        excluded = error_line("--exclude", "listonly/*")
+    finally:
+        (src / "locked").chmod(0o755)
+        (src / "listonly").chmod(0o755)
+    assert "locked: cannot list directory" in everything, everything
+    assert "listonly/inside.bin: cannot stat" in everything, everything
+    assert "locked: cannot list directory" in excluded and "listonly" not in excluded, excluded
 
 
 # ----------------------------------------------------------------- 3. progress

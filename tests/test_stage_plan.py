@@ -10,7 +10,7 @@ import pytest
 from bbio.errors import IntegrityError
 from bbio.stage import plan
 from bbio.stage.plan import DestState, Piece
-from bbio.stage.walk import readable, selected
+from bbio.stage.walk import selected
 from bbio.transfer.files import is_temp_name, temp_name, temp_path
 from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry, Manifest
 
@@ -140,12 +140,3 @@ def test_temporary_names_sit_beside_the_file_and_fit_a_file_name(name):
     assert is_temp_name(temp.name)
     assert len(os.fsencode(temp.name)) <= 255
     assert temp_name(str(final)) == str(temp)
-
-
-@pytest.mark.parametrize("mode", [0o644, 0o604, 0o600, 0o440, 0o400, 0o040, 0o004, 0o000])
-def test_readable_agrees_with_the_kernel(tmp_path, mode):
-    path = tmp_path / "file.bin"
-    path.write_bytes(b"data")
-    path.chmod(mode)
-    expected = os.access(path, os.R_OK, effective_ids=True)
-    assert readable(os.fspath(path), os.lstat(path)) == expected

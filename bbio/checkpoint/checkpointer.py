@@ -226,12 +226,11 @@ class Checkpointer:
                     step_dir.mkdir(parents=True, exist_ok=True)
                 self._drop_unused_bb_step_dir(step)
         node_specs = [(r, all_specs[r]) for r in self.node_ranks]
-        node_file = step_dir / layout.node_filename(self.node)
         try:
             with agreed(comm, f"checkpoint {self.name} step {step}: writing"):
                 size = write_node_file(
                     self.topo.node_comm,
-                    node_file,
+                    step_dir / layout.node_filename(self.node),
                     self.rank,
                     arrays,
                     node_specs,
@@ -247,16 +246,14 @@ class Checkpointer:
                         attrs,
                     ),
                 )
+            with agreed(comm, f"checkpoint {self.name} step {step}: recording"):
+                if self.topo.is_leader:
+                    self._record(step_dir, step, when, size, direct)
+                    if not direct:
+                        self._start_drain()
         except BBIOError:
-            if self.topo.is_leader:  # the nodes that wrote withdraw their file
-                node_file.unlink(missing_ok=True)
-                self._drop_unused_bb_step_dir(step)
+            self._withdraw(step, step_dir)
             raise
-        with agreed(comm, f"checkpoint {self.name} step {step}: recording"):
-            if self.topo.is_leader:
-                self._record(step_dir, step, when, size, direct)
-                if not direct:
-                    self._start_drain()
         if direct:
             with agreed(comm, f"checkpoint {self.name} step {step}: committing on the PFS"):
                 if self.rank == 0 and drain.try_commit(step_dir, self.nodes):
@@ -284,17 +281,34 @@ class Checkpointer:
         each node leader drops its node's BB copy and queued task.
         """
         with agreed(self.comm, f"checkpoint {self.name} step {step}: replacing the old copy"):
-            name = layout.step_dirname(step)
-            if self.rank == 0:
-                pfs_step = self.pfs_dir / name
-                drain.manifest_path(pfs_step).unlink(missing_ok=True)
-                for n in range(self.nodes):
-                    (pfs_step / layout.node_record_name(n)).unlink(missing_ok=True)
+            bb_step = self.bb_dir / layout.step_dirname(step)
+            self._drop_copies(step, bb_step)
             if self.topo.is_leader:
-                drain.task_path(self.journal, step).unlink(missing_ok=True)
-                for stale in layout.node_copy_names(self.node):
-                    (self.bb_dir / name / stale).unlink(missing_ok=True)
-                (self.bb_dir / name).mkdir(parents=True, exist_ok=True)  # if trimmed meanwhile
+                bb_step.mkdir(parents=True, exist_ok=True)  # if trimmed meanwhile
+
+    def _withdraw(self, step: int, step_dir: Path) -> None:
+        """Collective: undo a save of ``step`` that failed on some rank while the nodes
+        wrote into ``step_dir`` or recorded their files: the step is as if never saved."""
+        with agreed(self.comm, f"checkpoint {self.name} step {step}: withdrawing the failed save"):
+            self._drop_copies(step, step_dir)
+            if self.topo.is_leader:
+                with contextlib.suppress(OSError):
+                    step_dir.rmdir()
+
+    def _drop_copies(self, step: int, step_dir: Path) -> None:
+        """Rank 0 uncommits ``step`` on the PFS (manifest, then every node's record); each
+        node leader drops its queued task and its node's record, file and temporary file
+        in ``step_dir``."""
+        if self.rank == 0:
+            pfs_step = self.pfs_dir / layout.step_dirname(step)
+            drain.manifest_path(pfs_step).unlink(missing_ok=True)
+            for n in range(self.nodes):
+                (pfs_step / layout.node_record_name(n)).unlink(missing_ok=True)
+        if self.topo.is_leader:
+            drain.task_path(self.journal, step).unlink(missing_ok=True)
+            record, node_file = (step_dir / name for name in layout.node_copy_names(self.node))
+            for path in (record, node_file, files.temp_path(node_file)):
+                path.unlink(missing_ok=True)
 
     def _record(self, step_dir: Path, step: int, when: float, size: int, direct: bool) -> None:
         """The node leader's bookkeeping once its node file (of the save at ``when``) is

@@ -53,7 +53,7 @@ from bbio.read.plan import (
 )
 from bbio.stage import registry
 from bbio.stage.pack import INDEX_NAME, read_index
-from bbio.stage.walk import walk
+from bbio.stage.walk import check_readable, walk
 from bbio.transfer.files import read_manifest
 from bbio.transfer.manifest import FILE
 
@@ -233,7 +233,9 @@ def _directory_layout(comm, root: Path, staged: Path | None) -> Layout:
     if manifest is not None:
         entries = [e for e in manifest.entries if e.kind == FILE]
     else:
-        entries = walk(comm, root).files
+        tree = walk(comm, root)
+        check_readable(tree, skip_unreadable=False, where=str(root))
+        entries = tree.files
     return Layout(
         "directory",
         [str(root / e.path) for e in entries],

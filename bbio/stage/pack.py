@@ -31,8 +31,7 @@ from bbio.errors import DependencyError, IntegrityError, NotFoundError, from_ose
 from bbio.mpi import agreed, deal, topology
 from bbio.report import format_bytes, format_table
 from bbio.stage.plan import group_by_size
-from bbio.stage.run import check_readable
-from bbio.stage.walk import walk
+from bbio.stage.walk import check_readable, walk
 from bbio.transfer import files
 from bbio.transfer.manifest import Entry
 

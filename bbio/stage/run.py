@@ -26,7 +26,6 @@ from bbio.errors import (
     AlreadyExistsError,
     IntegrityError,
     NoSpaceError,
-    PermissionDeniedError,
     UsageError,
 )
 from bbio.mpi import Topology, agreed, allgather_dict, deal, sum_over_ranks, topology
@@ -34,7 +33,7 @@ from bbio.report import format_bytes, format_table
 from bbio.stage import plan, registry
 from bbio.stage.executors import Outcome, copy_broadcast, copy_direct, make_columns
 from bbio.stage.progress import Progress
-from bbio.stage.walk import Skipped, Tree, walk
+from bbio.stage.walk import Skipped, check_readable, walk
 from bbio.transfer import files
 from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry, Manifest
 
@@ -102,18 +101,6 @@ def dest_state(comm, root: Path, paths: Sequence[str]) -> dict[str, plan.DestSta
         else:
             found[path] = plan.DestState(FILE, st.st_size, st.st_mtime_ns)
     return allgather_dict(comm, found)
-
-
-def check_readable(tree: Tree, skip_unreadable: bool, where: str) -> list[Skipped]:
-    """Unreadable paths: an error naming each (the same on every rank), or skipped."""
-    if tree.unreadable and not skip_unreadable:
-        listing = "; ".join(f"{s.path}: {s.reason}" for s in tree.unreadable[:20])
-        more = f" (and {len(tree.unreadable) - 20} more)" if len(tree.unreadable) > 20 else ""
-        raise PermissionDeniedError(
-            f"{len(tree.unreadable)} path(s) in {where} cannot be read: {listing}{more}",
-            hint="fix their permissions, or pass --skip-unreadable to list and skip them",
-        )
-    return list(tree.unreadable)
 
 
 def _without(entries: Iterable[Entry], paths: set[str]) -> list[Entry]:

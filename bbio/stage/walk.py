@@ -16,11 +16,11 @@ import dataclasses
 import fnmatch
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bbio.errors import NotDirectoryError, NotFoundError
+from bbio.errors import NotDirectoryError, NotFoundError, PermissionDeniedError
 from bbio.mpi import agreed, agreed_allgather
 from bbio.transfer.files import is_temp_name
 from bbio.transfer.manifest import DIR, FILE, META_DIR, SYMLINK, Entry, sorted_entries
@@ -109,11 +109,12 @@ def _stat_one(
 def readable(path: str, st: os.stat_result) -> bool:
     """Whether this process may read the regular file ``path`` whose ``lstat`` is ``st``.
 
-    Its mode bits answer when they grant reading to everyone, or to its owner
-    when that is this (non-root) user; otherwise the kernel is asked
-    (``access``), which also applies ACLs and squashed root.
+    Not collective.  The mode bits answer when they settle it: when the owner,
+    the group and others may all read the file, or when this (non-root) user
+    owns it and the owner may.  Else the kernel is asked (``access``), which
+    applies group membership, ACLs, capabilities and squashed root.
     """
-    if st.st_mode & stat.S_IROTH:
+    if st.st_mode & 0o444 == 0o444:
         return True
     euid = os.geteuid()
     if euid != 0 and st.st_uid == euid and st.st_mode & stat.S_IRUSR:
@@ -121,36 +122,58 @@ def readable(path: str, st: os.stat_result) -> bool:
     return os.access(path, os.R_OK, effective_ids=True)
 
 
-def _list_and_stat(root: Path, rel: str, include: Sequence[str], exclude: Sequence[str]) -> _Listed:
-    """List directory ``rel`` and stat each name as soon as it is read."""
-    listed = _Listed()
+def _list_dir(root: Path, rel: str, unreadable: list[Skipped]) -> Iterator[os.DirEntry]:
+    """The entries of directory ``rel``, as they are read (a listing refused goes to
+    ``unreadable``; a directory gone since it was found lists nothing)."""
     try:
         with os.scandir(os.path.join(root, rel) if rel else os.fspath(root)) as it:
             for item in it:
-                if is_temp_name(item.name) or (rel == "" and item.name == META_DIR):
-                    continue
-                name = f"{rel}/{item.name}" if rel else item.name
-                try:
-                    st = item.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue  # removed since it was listed
-                except PermissionError as exc:
-                    listed.unreadable.append(Skipped(name, f"cannot stat: {exc.strerror}"))
-                    continue
-                found = _stat_one(root, name, st, include, exclude)
-                if isinstance(found, Skipped):
-                    listed.skipped.append(found)
-                elif found is not None:
-                    listed.found.append(found)
-                    if found.kind == DIR:
-                        listed.subdirs.append(name)
-                    elif found.kind == FILE and not readable(item.path, st):
-                        listed.unreadable.append(Skipped(name, "permission denied"))
+                if not (is_temp_name(item.name) or (rel == "" and item.name == META_DIR)):
+                    yield item
     except PermissionError as exc:
-        listed.unreadable.append(Skipped(rel or ".", f"cannot list directory: {exc.strerror}"))
+        unreadable.append(Skipped(rel or ".", f"cannot list directory: {exc.strerror}"))
     except FileNotFoundError:
-        pass  # a directory gone since it was found lists nothing
+        return
+
+
+def _list_and_stat(root: Path, rel: str, include: Sequence[str], exclude: Sequence[str]) -> _Listed:
+    """List directory ``rel`` and stat each name as soon as it is read."""
+    listed = _Listed()
+    for item in _list_dir(root, rel, listed.unreadable):
+        name = f"{rel}/{item.name}" if rel else item.name
+        try:
+            st = os.lstat(item.path)
+            found = _stat_one(root, name, st, include, exclude)
+        except FileNotFoundError:
+            continue  # removed since it was listed
+        except PermissionError as exc:
+            if item.is_dir(follow_symlinks=False) or selected(name, include, exclude):
+                listed.unreadable.append(Skipped(name, f"cannot stat: {exc.strerror}"))
+            continue
+        if isinstance(found, Skipped):
+            listed.skipped.append(found)
+        elif found is not None:
+            listed.found.append(found)
+            if found.kind == DIR:
+                listed.subdirs.append(name)
+            elif found.kind == FILE and not readable(item.path, st):
+                listed.unreadable.append(Skipped(name, "permission denied"))
     return listed
+
+
+def check_readable(tree: Tree, skip_unreadable: bool, where: str) -> list[Skipped]:
+    """Unreadable paths: an error naming each (the same on every rank), or skipped.
+
+    Not collective (every rank holds the same ``tree``).
+    """
+    if tree.unreadable and not skip_unreadable:
+        listing = "; ".join(f"{s.path}: {s.reason}" for s in tree.unreadable[:20])
+        more = f" (and {len(tree.unreadable) - 20} more)" if len(tree.unreadable) > 20 else ""
+        raise PermissionDeniedError(
+            f"{len(tree.unreadable)} path(s) in {where} cannot be read: {listing}{more}",
+            hint="fix their permissions, or pass --skip-unreadable to list and skip them",
+        )
+    return list(tree.unreadable)
 
 
 def _flatten(lists: list[list]) -> list:
@@ -185,10 +208,10 @@ def walk(
     """Collective over ``comm``: walk ``root`` (seen alike by every rank of ``comm``).
 
     Every rank returns the same :class:`Tree`; each lists up to ``listers`` of
-    its directories at once.  Files the process cannot read go to
-    ``unreadable``; symlinks pointing outside ``root`` and special files go to
-    ``skipped``.  bbio's own ``.bbio`` directory and temporary files are never
-    listed.
+    its directories at once.  Files the process cannot read, directories it
+    cannot list and names it cannot stat go to ``unreadable``; symlinks
+    pointing outside ``root`` and special files go to ``skipped``.  bbio's
+    own ``.bbio`` directory and temporary files are never listed.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     with agreed(comm, f"walking {root}"):
