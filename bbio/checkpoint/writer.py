@@ -114,7 +114,7 @@ def write_node_file(
         shared = node_comm.allgather(None if failure else crcs)
         if failure is not None:
             raise failure
-        if all(owner_crcs is not None for owner_crcs in shared):
+        if None not in shared:  # else another rank failed: it raises, and so will agreed
             for owner_crcs in shared:
                 for name, crc in owner_crcs.items():
                     f[name].attrs["crc32c"] = crc
@@ -148,11 +148,10 @@ def _write_raw(temp: Path, f, rank: int, arrays: Mapping[str, Any]) -> dict[str,
         for key, value in arrays.items():
             name = rank_dataset(key, rank)
             data = np.ascontiguousarray(value.data if isinstance(value, Shard) else value)
-            crcs[name] = 0
-            if data.size:
-                crcs[name] = _native.pwrite_crc(
-                    fd, data.reshape(-1).view(np.uint8), f[name].id.get_offset(), temp
-                )
+            raw = data.reshape(-1).view(np.uint8)
+            crcs[name] = (
+                _native.pwrite_crc(fd, raw, f[name].id.get_offset(), temp) if data.size else 0
+            )
     finally:
         os.close(fd)
     return crcs

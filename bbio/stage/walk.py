@@ -122,6 +122,16 @@ def readable(path: str, st: os.stat_result) -> bool:
     return os.access(path, os.R_OK, effective_ids=True)
 
 
+@dataclasses.dataclass
+class _Listed:
+    """What listing one directory found: entries, subdirectories, skipped paths."""
+
+    found: list[Entry] = dataclasses.field(default_factory=list)
+    subdirs: list[str] = dataclasses.field(default_factory=list)
+    skipped: list[Skipped] = dataclasses.field(default_factory=list)
+    unreadable: list[Skipped] = dataclasses.field(default_factory=list)
+
+
 def _list_dir(root: Path, rel: str, unreadable: list[Skipped]) -> Iterator[os.DirEntry]:
     """The entries of directory ``rel``, as they are read (a listing refused goes to
     ``unreadable``; a directory gone since it was found lists nothing)."""
@@ -186,16 +196,6 @@ def check_source(root: Path) -> None:
         raise NotFoundError("the source does not exist", path=root)
     if not root.is_dir():
         raise NotDirectoryError("the source is not a directory", path=root)
-
-
-@dataclasses.dataclass
-class _Listed:
-    """What listing one directory found: entries, subdirectories, skipped paths."""
-
-    found: list[Entry] = dataclasses.field(default_factory=list)
-    subdirs: list[str] = dataclasses.field(default_factory=list)
-    skipped: list[Skipped] = dataclasses.field(default_factory=list)
-    unreadable: list[Skipped] = dataclasses.field(default_factory=list)
 
 
 def walk(
