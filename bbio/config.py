@@ -130,6 +130,13 @@ class Config:
         "extra cold read).",
         choices=("cache", "device"),
     )
+    ckpt_recycle: str = _setting(
+        "on",
+        "on (default): the burst buffer keeps the file of a trimmed checkpoint, and the "
+        "node's next save of the same arrays rewrites it in place instead of writing a new "
+        "file (on tmpfs about twice as fast); off: trimmed files are deleted.",
+        choices=("on", "off"),
+    )
     stage_round_bytes: int = _setting(
         4 << 30,
         "Staging: copy and commit the files in rounds of about this many bytes (each file "

@@ -17,9 +17,11 @@ SIZES = {"1MiB": 1 << 20, "2MiB": 2 << 20}
 BASE_SYSTEMS = (
     "memcpy",
     "bb-write",
+    "bb-rewrite",
     "bb-write-fpp",
     "bbio",
     "bbio-committed",
+    "bbio-fresh",
     "h5py-bb",
     "h5py-sync",
     "pfs-write",

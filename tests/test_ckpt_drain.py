@@ -28,10 +28,13 @@ def write_node_file(path, step, node, ranks, state):
     attrs = file_attrs(step, 1.5, 4, 2, node, ranks, layout.PER_RANK, {}, {"lr": 0.1})
     with h5py.File(path, "w") as f:
         f.attrs.update(attrs)
+        crcs = {}
         for rank in ranks:
             for key, value in state(rank).items():
-                dataset = f.create_dataset(layout.rank_dataset(key, rank), data=value)
-                dataset.attrs["crc32c"] = _native.crc32c(np.ascontiguousarray(value).view(np.uint8))
+                name = layout.rank_dataset(key, rank)
+                f.create_dataset(name, data=value)
+                crcs[name] = _native.crc32c(np.ascontiguousarray(value).view(np.uint8))
+        f.attrs[layout.CRC_ATTR] = json.dumps(crcs)
 
 
 def state(rank):
@@ -105,11 +108,12 @@ def _two_node_save(bb_root, step, when):
         attrs = file_attrs(step, when, 4, 2, node, ranks, layout.PER_RANK, {}, {})
         with h5py.File(step_dir / layout.node_filename(node), "w") as f:
             f.attrs.update(attrs)
+            crcs = {}
             for rank in ranks:
                 value = np.full(5, when + rank)
-                f.create_dataset(layout.rank_dataset("w", rank), data=value).attrs["crc32c"] = (
-                    _native.crc32c(value.view(np.uint8))
-                )
+                f.create_dataset(layout.rank_dataset("w", rank), data=value)
+                crcs[layout.rank_dataset("w", rank)] = _native.crc32c(value.view(np.uint8))
+            f.attrs[layout.CRC_ATTR] = json.dumps(crcs)
         record = {"size": 0, "crc32c": None, "node": node, "time": when, "complete": True}
         files.write_json_atomic(step_dir / layout.node_record_name(node), record)
         journal = bb_root / str(node) / ".journal"
@@ -217,3 +221,80 @@ def test_the_background_drain_does_not_keep_its_starters_cpu_binding():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout) == sorted(os.sched_getaffinity(0))
+
+
+def test_layout_keys_tell_apart_what_a_rewrite_in_place_cannot_change():
+    spec = {"w": {"shape": [3, 4], "dtype": "<f4", "bytes": 48}}
+    key = layout.layout_key([(0, spec), (1, spec)], "0.1.0")
+    assert key == layout.layout_key([(0, json.loads(json.dumps(spec))), (1, spec)], "0.1.0")
+    w = spec["w"]
+    others = [
+        layout.layout_key([(0, spec), (2, spec)], "0.1.0"),  # another rank
+        layout.layout_key([(0, {"w": {**w, "shape": [4, 3]}}), (1, spec)], "0.1.0"),
+        layout.layout_key([(0, {"w": {**w, "dtype": ">f4"}}), (1, spec)], "0.1.0"),
+        layout.layout_key([(0, {"w": {**w, "start": [0, 0], "global_shape": [6, 4]}})], "0.1.0"),
+        layout.layout_key([(0, {"v": w}), (1, spec)], "0.1.0"),  # another key
+        layout.layout_key([(0, spec), (1, spec)], "0.2.0"),  # another writer
+    ]
+    assert key not in others and len(set(others)) == len(others)
+
+
+def _drained_copies(bb, pfs, keys: dict[int, str]) -> None:
+    """Node 0's drained BB copies of ``keys``' steps (file: ``step<N>``), each recorded
+    with its layout key; step 9 committed on the PFS."""
+    for step, key in keys.items():
+        step_dir = bb / layout.step_dirname(step)
+        step_dir.mkdir(parents=True)
+        (step_dir / layout.node_filename(0)).write_bytes(f"step{step}".encode())
+        record = {"size": 5, "crc32c": 7, "node": 0, "complete": True, "layout_key": key}
+        files.write_json_atomic(step_dir / layout.node_record_name(0), record)
+    committed = pfs / layout.step_dirname(9)
+    committed.mkdir(parents=True, exist_ok=True)
+    manifest = {"format": drain.MANIFEST_FORMAT, "step": 9}
+    files.write_json_atomic(drain.manifest_path(committed), manifest)
+
+
+def test_trimming_keeps_one_spare_that_only_a_save_of_its_layout_claims(tmp_path):
+    bb, pfs = tmp_path / "bb" / "ckpt" / "run", tmp_path / "pfs" / "ckpt" / "run"
+    journal = drain.journal_dir(bb)
+    journal.mkdir(parents=True)
+    _drained_copies(bb, pfs, {1: "aaaa", 2: "bbbb", 3: "bbbb"})
+    assert drain.trim_bb(bb, 0, 1, pfs, journal) == 0
+    assert sorted(p.name for p in bb.glob("step-*")) == [layout.step_dirname(3)]
+    spare = bb / layout.spare_filename(0, "bbbb")  # step 2's file; step 1's was dropped
+    assert list(bb.glob(layout.spare_pattern())) == [spare]
+    assert spare.read_bytes() == b"step2" and drain.spare_bytes(bb, 0) == 5
+    target = bb / layout.step_dirname(4) / "node.tmp"
+    target.parent.mkdir()
+    assert not drain.claim_spare(bb, 0, "aaaa", 1 << 20, target)  # another layout: deleted
+    assert not list(bb.glob(layout.spare_pattern())) and not target.exists()
+    spare.write_bytes(b"step2")
+    assert not drain.claim_spare(bb, 0, "bbbb", 4, target)  # grown past its allowance
+    assert not list(bb.glob(layout.spare_pattern())) and not target.exists()
+    spare.write_bytes(b"step2")
+    assert drain.claim_spare(bb, 0, "bbbb", 5, target) and target.read_bytes() == b"step2"
+    assert not drain.claim_spare(bb, 0, "bbbb", 5, target)  # none left
+
+
+def test_without_recycling_trimmed_files_are_deleted(tmp_path):
+    bb, pfs = tmp_path / "bb" / "ckpt" / "run", tmp_path / "pfs" / "ckpt" / "run"
+    journal = drain.journal_dir(bb)
+    journal.mkdir(parents=True)
+    _drained_copies(bb, pfs, {1: "aaaa", 2: "aaaa"})
+    assert drain.trim_bb(bb, 0, 1, pfs, journal, recycle=False) == 0
+    assert [p.name for p in bb.iterdir() if p != journal] == [layout.step_dirname(2)]
+
+
+def test_a_node_file_without_its_crcs_is_refused_by_name(tmp_path):
+    path = tmp_path / layout.node_filename(0)
+    write_node_file(path, 7, 0, [0, 1], state)
+    with h5py.File(path, "r+") as f:
+        crcs = json.loads(f.attrs[layout.CRC_ATTR])
+        del crcs[layout.rank_dataset("weights", 1)]
+        f.attrs[layout.CRC_ATTR] = json.dumps(crcs)
+    with pytest.raises(IntegrityError, match=r"dataset weights/r00001 has no recorded CRC32C"):
+        describe_node_file(path, 0)
+    with h5py.File(path, "r+") as f:
+        del f.attrs[layout.CRC_ATTR]
+    with pytest.raises(IntegrityError, match=r"no valid 'crc32c' attribute.*node-00000\.h5"):
+        describe_node_file(path, 0)

@@ -9,13 +9,18 @@ form virtual nodes of 2 (4 ranks: 2 nodes).  The case is the per-rank size
 (``64MiB``).  Metric ``seconds``, each value the maximum over the ranks of
 one measurement that starts after a barrier:
 
-* ``bbio``: the blocking time of ``Checkpointer.save`` (each node's HDF5 file
-  laid out collectively in its burst buffer, every rank's arrays written into
-  it with their CRC32C, fsync, rename, the drain's journal entry);
-  ``bbio-committed``: from the same start until ``SaveHandle.wait()`` returns
-  (the drain processes copied, verified and committed the checkpoint on the
-  PFS).  One checkpointer serves the whole run, so its drain processes stay up
-  as they would in training.
+* ``bbio``: the blocking time of ``Checkpointer.save`` in the steady state of a
+  run (each node rewrites in place the file of a checkpoint that retention
+  trimmed, ``ckpt_recycle``: the root and CRC attributes anew, every rank's
+  arrays written into it with their CRC32C, fsync, rename, the drain's journal
+  entry); ``bbio-committed``: from the same start until ``SaveHandle.wait()``
+  returns (the drain processes copied, verified and committed the checkpoint
+  on the PFS).  ``keep_bb`` is 1: the burst buffer holds the last checkpoint
+  and the spare file.  One checkpointer serves the whole run, so its drain
+  processes stay up as they would in training.
+* ``bbio-fresh``: the same save by a second checkpointer with ``ckpt_recycle``
+  off: each node's HDF5 file laid out collectively anew (a run's first saves,
+  or every save with recycling off).
 * ``h5py-sync``: the baseline, a synchronous write of the same arrays straight
   to the PFS: one HDF5 file (h5py, driver ``mpio``, ``COMM_WORLD``), every
   rank's datasets created collectively, each rank writing its own; close, then
@@ -36,6 +41,9 @@ one measurement that starts after a barrier:
 * ``bb-write``: raw ``os.pwrite`` of the same bytes into the burst buffer in
   bbio's layout, one file per node: the node leader creates it, every rank
   of the node writes its bytes at its offset, then the leader fsyncs.
+* ``bb-rewrite``: the same raw writes into the node file a previous
+  ``bb-write`` left (written untimed just before): the floor of a save that
+  rewrites a recycled file.
 * ``bb-write-fpp``: raw write+fsync into the burst buffer, one file per rank
   (what the device takes; on tmpfs writes to one file are serialised).
 * ``pfs-write``: raw write+fsync of the same bytes to the PFS, one file per
@@ -49,7 +57,9 @@ Derived, metric ``GB_per_s`` (10**9 bytes/s of state, all ranks): ``bbio-drain``
 ``pfs-write-node``.
 
 Before measuring, one untimed round of every system at 1 MiB per rank warms
-up imports, MPI-IO, the drain processes and gloo.  The systems' order rotates
+up imports, MPI-IO, the drain processes and gloo; before each size, one
+untimed round of every system and one more save by ``bbio`` bring it to its
+steady state (a spare file of the size's layout on every node).  The systems' order rotates
 from one repetition to the next.  Before every system the files of the
 previous one are removed (the burst buffer is memory) and, as root, the page
 cache is dropped (``sync; echo 1 > /proc/sys/vm/drop_caches``; tmpfs keeps its
@@ -63,6 +73,7 @@ and the torch version (or why DCP was skipped).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import shutil
@@ -103,8 +114,10 @@ COLUMNS = 256  # arrays are (rows, 256) float32 when the size allows
 SYSTEMS = (
     "memcpy",
     "bb-write",
+    "bb-rewrite",
     "bb-write-fpp",
     "bbio",
+    "bbio-fresh",
     "h5py-bb",
     "h5py-sync",
     "dcp-async",
@@ -115,9 +128,11 @@ SYSTEMS = (
 REPORTED = (
     "memcpy",
     "bb-write",
+    "bb-rewrite",
     "bb-write-fpp",
     "bbio",
     "bbio-committed",
+    "bbio-fresh",
     "h5py-bb",
     "h5py-sync",
     "dcp-async",
@@ -127,6 +142,7 @@ REPORTED = (
 )
 COMMIT_TIMEOUT = 1800.0
 CKPT_NAME = "bench"
+KEEP_BB = 1
 
 
 def _sizes(text: str) -> list[int]:
@@ -300,6 +316,7 @@ class CheckpointBench:
             progress="never",
         )
         self.ck: Checkpointer | None = None
+        self.ck_fresh: Checkpointer | None = None
         self.stopped = False
 
     # -------------------------------------------------------------- set-up
@@ -314,7 +331,15 @@ class CheckpointBench:
         self.comm.Barrier()
         if "bbio" in self.args.systems:
             self.ck = Checkpointer(
-                self.comm, CKPT_NAME, keep_bb=1, keep_pfs=1_000_000, config=self.config
+                self.comm, CKPT_NAME, keep_bb=KEEP_BB, keep_pfs=1_000_000, config=self.config
+            )
+        if "bbio-fresh" in self.args.systems:
+            self.ck_fresh = Checkpointer(
+                self.comm,
+                f"{CKPT_NAME}-fresh",
+                keep_bb=KEEP_BB,
+                keep_pfs=1_000_000,
+                config=dataclasses.replace(self.config, ckpt_recycle="off"),
             )
         if self.use_torch:
             import torch
@@ -333,9 +358,10 @@ class CheckpointBench:
 
     def stop(self) -> None:
         """Collective: close the checkpointer (its drains exit), gloo and the node split."""
-        if self.ck is not None:
-            self.ck.close(wait=True, timeout=COMMIT_TIMEOUT)
-            self.ck = None
+        for ck in (self.ck, self.ck_fresh):
+            if ck is not None:
+                ck.close(wait=True, timeout=COMMIT_TIMEOUT)
+        self.ck = self.ck_fresh = None
         if self.torch_ready:
             import torch.distributed as dist
 
@@ -363,9 +389,10 @@ class CheckpointBench:
         return {"memcpy": _max(self.comm, time.perf_counter() - start)}
 
     def _node_file(self, path: Path, arrays: list[np.ndarray], offset: int) -> None:
-        """bbio's layout: one file per node, each rank at its offset, the leader fsyncs."""
+        """bbio's layout: one file per node, each rank at its offset, the leader fsyncs.
+        The leader creates the file if it is not there (else it is overwritten)."""
         node_comm = self.topo.node_comm
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if self.leader else -1
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644) if self.leader else -1
         node_comm.Barrier()
         if not self.leader:
             fd = os.open(path, os.O_WRONLY)
@@ -377,18 +404,28 @@ class CheckpointBench:
         finally:
             os.close(fd)
 
-    def bb_write(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+    def _bb_node_write(self, state: dict[str, np.ndarray], rewrite: bool) -> float:
+        """Seconds of a raw write in bbio's layout into a new file, or (``rewrite``)
+        into the file an untimed write just left."""
         arrays = list(state.values())
         mine = sum(a.nbytes for a in arrays)
         offset = self.topo.node_comm.exscan(mine) or 0  # None on the node's first rank
         path = self.node_bb / "raw" / f"node-{self.node:05d}.bin"
+        if rewrite:
+            self._node_file(path, arrays, offset)
         self.comm.Barrier()
         start = time.perf_counter()
         self._node_file(path, arrays, offset)
         seconds = _max(self.comm, time.perf_counter() - start)
         if self.leader:
             path.unlink()
-        return {"bb-write": seconds}
+        return seconds
+
+    def bb_write(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        return {"bb-write": self._bb_node_write(state, rewrite=False)}
+
+    def bb_rewrite(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        return {"bb-rewrite": self._bb_node_write(state, rewrite=True)}
 
     def bb_write_fpp(self, state: dict[str, np.ndarray]) -> dict[str, float]:
         path = self.node_bb / "raw" / f"rank-{self.rank:05d}.bin"
@@ -459,13 +496,13 @@ class CheckpointBench:
         path = self.node_bb / "h5py" / f"node-{self.node:05d}.h5"
         return {"h5py-bb": self._h5py_write(self.topo.node_comm, path, state)}
 
-    def bbio(self, state: dict[str, np.ndarray]) -> dict[str, float]:
-        assert self.ck is not None
+    def _save(self, ck: Checkpointer, state: dict[str, np.ndarray]) -> tuple[float, float]:
+        """Collective: one save by ``ck``; its blocking and committed seconds."""
         self.step += 1
         comm = self.comm
         comm.Barrier()
         start = time.perf_counter()
-        handle = self.ck.save(self.step, state)
+        handle = ck.save(self.step, state)
         blocking = time.perf_counter() - start
         handle.wait(COMMIT_TIMEOUT)
         committed = time.perf_counter() - start
@@ -473,22 +510,34 @@ class CheckpointBench:
             raise UsageError(
                 f"bbio's save went {'straight to the PFS' if handle.direct else 'skipped'}: "
                 "the numbers would not measure the burst buffer",
-                hint="give --bb a directory with room for two checkpoints of a node",
+                hint="give --bb a directory with room for three checkpoints of a node",
             )
-        result = {"bbio": _max(comm, blocking), "bbio-committed": _max(comm, committed)}
-        self._forget_step(self.step)
+        result = _max(comm, blocking), _max(comm, committed)
+        self._settle(ck, self.step)
         return result
 
-    def _forget_step(self, step: int) -> None:
-        """Collective: once the drains are idle, delete the step in both tiers (untimed)."""
+    def bbio(self, state: dict[str, np.ndarray]) -> dict[str, float]:
         assert self.ck is not None
+        blocking, committed = self._save(self.ck, state)
+        return {"bbio": blocking, "bbio-committed": committed}
+
+    def bbio_fresh(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        assert self.ck_fresh is not None
+        return {"bbio-fresh": self._save(self.ck_fresh, state)[0]}
+
+    def _settle(self, ck: Checkpointer, step: int) -> None:
+        """Collective, untimed: wait until ``ck``'s drains are idle and have trimmed its
+        burst buffers to ``KEEP_BB`` checkpoints (the older file is the spare, or gone),
+        then delete ``step`` on the PFS."""
         if self.leader:
             deadline = time.monotonic() + COMMIT_TIMEOUT
-            while drain.pending(self.ck.journal) and time.monotonic() < deadline:
+            while time.monotonic() < deadline and (
+                drain.pending(ck.journal) or len(list(ck.bb_dir.glob("step-*"))) > KEEP_BB
+            ):
                 time.sleep(0.01)
-            _remove(self.ck.bb_dir / layout.step_dirname(step))
+        idle_barrier(self.comm)  # a trim needs the step committed: removed only after
         if self.rank == 0:
-            _remove(self.ck.pfs_dir / layout.step_dirname(step))
+            _remove(ck.pfs_dir / layout.step_dirname(step))
         idle_barrier(self.comm)
 
     def dcp_async(self, state: dict[str, np.ndarray]) -> dict[str, float]:
@@ -522,8 +571,10 @@ class CheckpointBench:
         table = {
             "memcpy": self.memcpy,
             "bb-write": self.bb_write,
+            "bb-rewrite": self.bb_rewrite,
             "bb-write-fpp": self.bb_write_fpp,
             "bbio": self.bbio,
+            "bbio-fresh": self.bbio_fresh,
             "h5py-sync": self.h5py_sync,
             "h5py-bb": self.h5py_bb,
             "dcp-async": self.dcp_async,
@@ -566,6 +617,9 @@ class CheckpointBench:
         state = make_state(self.rank, nbytes, self.args.arrays)
         total = nbytes * self.size
         self.ctx.log(f"{case} per rank ({size_label(total)} in all): {repeats} repetitions")
+        self.round(state, 0)  # untimed: the steady state (bbio: a spare of this layout)
+        if self.ck is not None:
+            self._save(self.ck, state)
         for repeat in range(repeats):
             seconds = self.round(state, repeat)
             self.record(case, total, seconds)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from bbio._version import __version__
 from bbio.checkpoint import drain, layout
 from bbio.checkpoint import restore as reader
 from bbio.checkpoint.globalview import describe_node_file
@@ -141,6 +142,7 @@ class Checkpointer:
             raise UsageError(f"backpressure must be queue, block or skip, got {policy!r}")
         self.name, self.keep_bb, self.keep_pfs, self.backpressure = name, keep_bb, keep_pfs, policy
         self.verify = config.ckpt_verify
+        self.recycle = config.ckpt_recycle == "on"
         self.comm = comm.Dup()
         self.topo = topology(self.comm, config.ranks_per_node)
         try:  # the same ConfigError on every rank: nothing to leak
@@ -190,8 +192,8 @@ class Checkpointer:
             json.dumps(dict(attrs or {}))
             spec = describe(arrays)
             free, old_copy = None, False
-            if self.topo.is_leader:
-                free = files.free_bytes(self.bb_dir)
+            if self.topo.is_leader:  # a spare is claimed or deleted before the node writes
+                free = files.free_bytes(self.bb_dir) + drain.spare_bytes(self.bb_dir, self.node)
                 old_copy = self._has_bb_copy(step)
                 (self.bb_dir / layout.step_dirname(step)).mkdir(parents=True, exist_ok=True)
             return layout.layout_of(arrays), spec, time.time(), self.node, free, old_copy
@@ -226,11 +228,16 @@ class Checkpointer:
                     step_dir.mkdir(parents=True, exist_ok=True)
                 self._drop_unused_bb_step_dir(step)
         node_specs = [(r, all_specs[r]) for r in self.node_ranks]
+        key = layout.layout_key(node_specs, __version__) if self.recycle and not direct else None
+        node_file = step_dir / layout.node_filename(self.node)
         try:
             with agreed(comm, f"checkpoint {self.name} step {step}: writing"):
+                recycled = False
+                if self.topo.is_leader and not direct:
+                    recycled = self._claim_spare(key, need[self.node], files.temp_path(node_file))
                 size = write_node_file(
                     self.topo.node_comm,
-                    step_dir / layout.node_filename(self.node),
+                    node_file,
                     self.rank,
                     arrays,
                     node_specs,
@@ -245,15 +252,18 @@ class Checkpointer:
                         shapes,
                         attrs,
                     ),
+                    recycled,
                 )
             with agreed(comm, f"checkpoint {self.name} step {step}: recording"):
                 if self.topo.is_leader:
-                    self._record(step_dir, step, when, size, direct)
+                    self._record(step_dir, step, when, size, direct, key)
                     if not direct:
                         self._start_drain()
         except BBIOError:
             self._withdraw(step, step_dir)
             raise
+        if self.topo.is_leader and not direct:  # now: a copying drain takes CPU from the ranks
+            drain.wake(self.journal)
         if direct:
             with agreed(comm, f"checkpoint {self.name} step {step}: committing on the PFS"):
                 if self.rank == 0 and drain.try_commit(step_dir, self.nodes):
@@ -310,9 +320,20 @@ class Checkpointer:
             for path in (record, node_file, files.temp_path(node_file)):
                 path.unlink(missing_ok=True)
 
-    def _record(self, step_dir: Path, step: int, when: float, size: int, direct: bool) -> None:
+    def _claim_spare(self, key: str | None, max_bytes: int, target: Path) -> bool:
+        """A node leader: move the node's spare of layout ``key`` to ``target`` (True), or
+        delete its spares (without a ``key``, or none of it) so the new file has their room."""
+        if key is None:
+            with contextlib.suppress(OSError):
+                drain.drop_spares(self.bb_dir, self.node)
+            return False
+        return drain.claim_spare(self.bb_dir, self.node, key, max_bytes, target)
+
+    def _record(
+        self, step_dir: Path, step: int, when: float, size: int, direct: bool, key: str | None
+    ) -> None:
         """The node leader's bookkeeping once its node file (of the save at ``when``) is
-        durable."""
+        durable; ``key``, its layout key, lets retention keep the file as a spare."""
         record_path = step_dir / layout.node_record_name(self.node)
         if direct:  # on the PFS already: record its CRC32C and contents for the commit
             node_file = step_dir / layout.node_filename(self.node)
@@ -329,6 +350,8 @@ class Checkpointer:
             )
             return
         record = {"size": size, "crc32c": None, "node": self.node, "time": when, "complete": True}
+        if key is not None:
+            record["layout_key"] = key
         files.write_json_atomic(record_path, record)
         drain.add_task(
             self.journal,
@@ -345,7 +368,6 @@ class Checkpointer:
                 when,
             ),
         )
-        drain.wake(self.journal)
 
     def _busy(self) -> bool:
         """Collective: does any node still have checkpoints to drain?"""
@@ -401,8 +423,9 @@ class Checkpointer:
         return not short
 
     def _trim_bb(self, keep: int) -> None:
-        """Delete this node's oldest drained BB copies beyond ``keep``."""
-        drain.trim_bb(self.bb_dir, self.node, keep, self.pfs_dir, self.journal)
+        """Delete this node's oldest drained BB copies beyond ``keep``, and its spares."""
+        drain.trim_bb(self.bb_dir, self.node, keep, self.pfs_dir, self.journal, recycle=False)
+        drain.drop_spares(self.bb_dir, self.node)
 
     def _start_drain(self) -> None:
         if self._drain is not None and self._drain.poll() is None:
@@ -570,7 +593,7 @@ class Checkpointer:
 
     def close(self, wait: bool = True, timeout: float | None = None) -> None:
         """Collective over the checkpointer's communicator: optionally wait until every
-        save is committed, then stop the drains.
+        save is committed, then stop the drains (which delete the spare files).
 
         With ``wait``, returns on every rank once every node's drain has stopped,
         and the ``timeout`` is agreed: every rank raises the same error at once

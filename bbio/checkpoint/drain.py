@@ -443,17 +443,27 @@ def _remove_tree(path: Path) -> None:
 # ------------------------------------------------------------------ the loop
 
 
-def trim_bb(bb_ckpt_dir: Path, node: int, keep: int, pfs_ckpt_dir: Path, journal: Path) -> int:
+def trim_bb(
+    bb_ckpt_dir: Path,
+    node: int,
+    keep: int,
+    pfs_ckpt_dir: Path,
+    journal: Path,
+    recycle: bool = True,
+) -> int:
     """Delete ``node``'s oldest BB copies beyond the ``keep`` newest, once safe.
 
     A copy goes only when this node's drain has copied it to the PFS (its BB
     record carries the PFS copy's CRC32C), it is not queued in ``journal``, and
     that step or a newer one is committed on the PFS (the copy is then not the
     only complete one; retention may already have dropped the step itself).  A
-    copy just written, or one still draining, is never touched.  Not
-    collective: the node's drain calls it after each task, and a save calls it
-    when the burst buffer is short of room.  The PFS is looked at only when
-    there are copies beyond ``keep``.  Returns how many are left beyond it.
+    copy just written, or one still draining, is never touched.  With
+    ``recycle``, a copy whose record names its layout key (``ckpt_recycle``)
+    leaves its file behind as the node's one spare instead, for the next save
+    of that layout to rewrite in place.  Not collective: the node's drain calls
+    it after each task, and a save calls it (without ``recycle``) when the
+    burst buffer is short of room.  The PFS is looked at only when there are
+    copies beyond ``keep``.  Returns how many are left beyond it.
     """
     copies = sorted(
         step
@@ -474,16 +484,60 @@ def trim_bb(bb_ckpt_dir: Path, node: int, keep: int, pfs_ckpt_dir: Path, journal
         if not drained or step in queued or not any(done >= step for done in committed):
             left += 1
             continue
-        for stale in layout.node_copy_names(node):
-            try:
-                (step_dir / stale).unlink(missing_ok=True)
-            except OSError as exc:
-                raise from_oserror(
-                    exc, "delete an old burst-buffer copy", step_dir / stale
-                ) from None
+        record_path, node_file = (step_dir / name for name in layout.node_copy_names(node))
+        spare = None
+        if recycle and record.get("layout_key"):
+            spare = bb_ckpt_dir / layout.spare_filename(node, record["layout_key"])
+        try:
+            record_path.unlink(missing_ok=True)  # first: the copy is gone once its record is
+            if spare is None:
+                node_file.unlink(missing_ok=True)
+            else:
+                drop_spares(bb_ckpt_dir, node)
+                os.replace(node_file, spare)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise from_oserror(exc, "delete an old burst-buffer copy", node_file) from None
         with contextlib.suppress(OSError):
             step_dir.rmdir()
     return left
+
+
+def spare_bytes(bb_ckpt_dir: Path, node: int) -> int:
+    """The bytes of ``node``'s spare files: room a save of that node may count as free."""
+    total = 0
+    for spare in bb_ckpt_dir.glob(layout.spare_pattern(node)):
+        with contextlib.suppress(OSError):
+            total += spare.stat().st_size
+    return total
+
+
+def drop_spares(bb_ckpt_dir: Path, node: int | None = None) -> None:
+    """Delete ``node``'s spare files (every node's, for None).  Not collective; a spare
+    that another process claims or deletes meanwhile is simply gone."""
+    for spare in bb_ckpt_dir.glob(layout.spare_pattern(node)):
+        spare.unlink(missing_ok=True)
+
+
+def claim_spare(bb_ckpt_dir: Path, node: int, key: str, max_bytes: int, target: Path) -> bool:
+    """Move ``node``'s spare of layout ``key`` to ``target`` if there is one of at most
+    ``max_bytes`` (a file rewritten in place keeps what HDF5 leaked into it, so it is
+    recycled only while it stays that small); delete every other spare.  True if claimed.
+
+    Never raises: without a spare, the save writes a new file.  Not collective
+    (a node leader, before its node writes); the rename is atomic, so a drain
+    trimming meanwhile either hands the file over or keeps it.
+    """
+    spare = bb_ckpt_dir / layout.spare_filename(node, key)
+    claimed = False
+    with contextlib.suppress(OSError):
+        if spare.stat().st_size <= max_bytes:
+            os.replace(spare, target)
+            claimed = True
+    with contextlib.suppress(OSError):
+        drop_spares(bb_ckpt_dir, node)
+    return claimed
 
 
 def _trim_after(journal: Path, task: Task) -> bool:
@@ -683,6 +737,8 @@ def _drain(
             if finish or (journal / STOP).exists() or not _process_alive(parent):
                 if untrimmed is not None:
                     _trim_after(journal, untrimmed)
+                with contextlib.suppress(OSError):  # no save will come to reuse them
+                    drop_spares(journal.parent)
                 commits.report(state=STOPPED)
                 return 0
             waker.pause(min(POLL_SECONDS, max(commits.until_next_look(), 0.001)))

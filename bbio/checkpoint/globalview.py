@@ -38,6 +38,7 @@ def describe_node_file(path: Path, node: int) -> dict[str, Any]:
     datasets: list[dict[str, Any]] = []
     with h5py.File(path, "r") as f:
         attrs = dict(f.attrs)
+        crcs = recorded_crcs(f, path)
 
         def visit(name: str, obj) -> None:
             if isinstance(obj, h5py.Dataset):
@@ -49,7 +50,7 @@ def describe_node_file(path: Path, node: int) -> dict[str, Any]:
                     "shape": list(obj.shape),
                     "dtype": obj.dtype.str,
                     "start": [int(s) for s in obj.attrs.get("start", [])],
-                    "crc32c": int(obj.attrs["crc32c"]),
+                    "crc32c": recorded_crc(crcs, name, path),
                 }
                 if not all(obj.shape):
                     entry["value"] = np.asarray(obj[()]).tobytes().hex()
@@ -67,6 +68,27 @@ def describe_node_file(path: Path, node: int) -> dict[str, Any]:
         "bbio": str(attrs["bbio"]),
         "datasets": datasets,
     }
+
+
+def recorded_crcs(f, path: Path) -> dict[str, int]:
+    """Not collective: the CRC32C of every dataset of the open node file ``f`` (at
+    ``path``), by dataset path, from its root attribute ``crc32c``."""
+    try:
+        return {name: int(crc) for name, crc in json.loads(f.attrs[layout.CRC_ATTR]).items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise IntegrityError(
+            f"node file has no valid {layout.CRC_ATTR!r} attribute (the CRC32C of each dataset)",
+            path=path,
+            hint="it is not a bbio checkpoint file, or was written by an older bbio: "
+            "restore it with the bbio that wrote it",
+        ) from None
+
+
+def recorded_crc(crcs: dict[str, int], dataset: str, path: Path) -> int:
+    """The CRC32C ``crcs`` (:func:`recorded_crcs`) holds for ``dataset``."""
+    if dataset not in crcs:
+        raise IntegrityError(f"dataset {dataset} has no recorded CRC32C", path=path)
+    return crcs[dataset]
 
 
 def merge_descriptions(descriptions: list[dict[str, Any]], where: Path) -> dict[str, Any]:

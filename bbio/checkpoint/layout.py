@@ -6,18 +6,23 @@ On disk, in a tier root (a node's burst buffer, or the PFS root)::
     ckpt/<name>/step-00000042/node-00000.json  its record: size, CRC32C (after the copy)
     ckpt/<name>/step-00000042/global.h5        PFS only: virtual datasets over the node files
     ckpt/<name>/step-00000042/manifest.json    PFS only: the commit, written last
+    ckpt/<name>/spare-node-00000-<key>.h5      BB only: a drained node file kept to be
+                                               rewritten by the next save of its layout
 
 Inside a node file, the array of state key ``k`` saved by rank ``r`` is the
-dataset ``/k/r00007`` (N-D, its own shape and dtype), with attributes
-``crc32c`` (of its bytes) and, for slices of global arrays, ``start`` and
-``global_shape``.  The file's root attributes hold the step, the time, the
-rank and node counts, the layout (``per-rank`` or ``global``), the global
-shapes and the bbio version.
+dataset ``/k/r00007`` (N-D, its own shape and dtype), with attributes, for
+slices of global arrays, ``start`` and ``global_shape``.  The file's root
+attributes hold the step, the time, the rank and node counts, the layout
+(``per-rank`` or ``global``), the global shapes, the bbio version and
+``crc32c``: a JSON object mapping each dataset (``k/r00007``) to the CRC32C of
+its bytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import re
 from collections.abc import Mapping, Sequence
 
@@ -26,6 +31,7 @@ import numpy as np
 from bbio.errors import UsageError
 
 CKPT_DIR = "ckpt"
+CRC_ATTR = "crc32c"  # root attribute of a node file: {dataset: CRC32C of its bytes}, JSON
 PER_RANK, GLOBAL = "per-rank", "global"
 _STEP = re.compile(r"^step-(\d{8,})$")
 
@@ -79,6 +85,24 @@ def node_record_name(node: int) -> str:
 def node_copy_names(node: int) -> tuple[str, str]:
     """A node's copy of a step in one tier: its record, then its file."""
     return node_record_name(node), node_filename(node)
+
+
+def spare_filename(node: int, key: str) -> str:
+    """``spare-node-00003-<key>.h5``: a drained node file of layout ``key``, kept for reuse."""
+    return f"spare-node-{node:05d}-{key}.h5"
+
+
+def spare_pattern(node: int | None = None) -> str:
+    """The glob of ``node``'s spare files (of every node's, for None)."""
+    return f"spare-node-{'*' if node is None else f'{node:05d}'}-*.h5"
+
+
+def layout_key(node_specs: Sequence[tuple[int, Mapping[str, object]]], version: str) -> str:
+    """A short digest of a node file's structure: its ranks' datasets (name, shape, dtype,
+    placement) and the bbio version that wrote it.  A file of one key can be rewritten in
+    place as a save of that key: it already holds every dataset, allocated."""
+    text = json.dumps([version, [[rank, spec] for rank, spec in node_specs]], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def nodes_in(step_dir) -> list[int]:

@@ -16,6 +16,7 @@ import numpy as np
 from bbio import _native
 from bbio.checkpoint import layout
 from bbio.checkpoint.drain import read_manifest
+from bbio.checkpoint.globalview import recorded_crc, recorded_crcs
 from bbio.errors import IntegrityError, UsageError
 from bbio.transfer import files
 
@@ -71,11 +72,10 @@ def file_meta(path: Path) -> dict[str, Any]:
     }
 
 
-def _checked(dataset, path: Path) -> np.ndarray:
+def _checked(dataset, recorded: int, path: Path) -> np.ndarray:
     data = dataset[()]
     data = np.asarray(data)
     crc = _native.crc32c(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
-    recorded = int(dataset.attrs["crc32c"])
     if crc != recorded:
         raise IntegrityError(
             f"dataset {dataset.name} has CRC32C {crc:08x}, recorded {recorded:08x}", path=path
@@ -90,10 +90,11 @@ def read_rank(path: Path, rank: int) -> dict[str, np.ndarray]:
     arrays: dict[str, np.ndarray] = {}
     suffix = f"/r{rank:05d}"
     with h5py.File(path, "r") as f:
+        crcs = recorded_crcs(f, path)
 
         def visit(name: str, obj) -> None:
             if isinstance(obj, h5py.Dataset) and name.endswith(suffix):
-                arrays[name[: -len(suffix)]] = _checked(obj, path)
+                arrays[name[: -len(suffix)]] = _checked(obj, recorded_crc(crcs, name, path), path)
 
         f.visititems(visit)
     return arrays

@@ -1,0 +1,106 @@
+"""Recycled burst-buffer files (``ckpt_recycle``) on 2 or 4 ranks in 2 virtual nodes: real
+parallel HDF5, real drain processes."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+
+import bbio
+from bbio.checkpoint import layout
+from tests.test_checkpoint import config_for, leader, node_of, same, state
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def node_ckpt_dir(comm, tmp: Path, name: str) -> Path:
+    return tmp / "bb" / str(node_of(comm)) / "ckpt" / name
+
+
+def _leaders_say(comm, value):
+    """Collective: what this rank's node leader computed (``value`` there)."""
+    root = comm.Get_rank() - comm.Get_rank() % (comm.Get_size() // 2)
+    return comm.bcast(value, root=root)
+
+
+def settle(comm, ckpt_dir: Path, keep: int = 1, timeout: float = 30) -> int:
+    """Collective: once retention left ``keep`` steps in every burst buffer, how many spare
+    files this node has; a hard link (``probe``) holds the spare's inode, if one."""
+    count = None
+    if leader(comm):
+        deadline = time.monotonic() + timeout
+        while len(list(ckpt_dir.glob("step-*"))) > keep and time.monotonic() < deadline:
+            time.sleep(0.01)
+        spares = list(ckpt_dir.glob(layout.spare_pattern()))
+        probe = ckpt_dir.parent / "probe"
+        probe.unlink(missing_ok=True)
+        if spares:
+            os.link(spares[0], probe)
+        count = len(spares)
+    return _leaders_say(comm, count)
+
+
+def rewrote_spare(comm, ckpt_dir: Path, step: int) -> bool:
+    """Collective: is this node's file of ``step`` the spare :func:`settle` saw?"""
+    node_file = ckpt_dir / layout.step_dirname(step) / layout.node_filename(node_of(comm))
+    same_file = os.path.samefile(node_file, ckpt_dir.parent / "probe") if leader(comm) else None
+    return _leaders_say(comm, same_file)
+
+
+def test_a_trimmed_file_is_rewritten_in_place_by_the_next_save_of_its_layout(comm, shared_tmp):
+    config = config_for(comm, shared_tmp)
+    rank, home = comm.Get_rank(), node_ckpt_dir(comm, shared_tmp, "re")
+    with bbio.Checkpointer(comm, "re", keep_bb=1, config=config) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, state(step, rank), attrs={"step": step}).wait(timeout=60)
+        assert settle(comm, home) == 1, "step 1's file should be this node's spare"
+        ckpt.save(3, state(3, rank), attrs={"note": "x" * 300}).wait(timeout=60)
+        assert rewrote_spare(comm, home, 3)
+        step, arrays, attrs = ckpt.restore()
+        assert (step, attrs) == (3, {"note": "x" * 300}) and same(arrays, state(3, rank))
+        comm.Barrier()
+        pfs_step = shared_tmp / "pfs" / "ckpt" / "re" / layout.step_dirname(3)
+        with h5py.File(pfs_step / "global.h5", "r") as f:  # plain h5py reads the drained copy
+            assert int(f.attrs["step"]) == 3
+            np.testing.assert_array_equal(
+                f[layout.rank_dataset("model/w", rank)][()], state(3, rank)["model/w"]
+            )
+        assert settle(comm, home) == 1  # step 2's file is the spare now
+    comm.Barrier()  # closed: the drains stopped and took the spares with them
+    assert not list(home.glob(layout.spare_pattern()))
+
+
+def test_a_spare_of_another_layout_or_grown_too_large_is_not_reused(comm, shared_tmp):
+    config = config_for(comm, shared_tmp)
+    rank, home = comm.Get_rank(), node_ckpt_dir(comm, shared_tmp, "other")
+    with bbio.Checkpointer(comm, "other", keep_bb=1, config=config) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, state(step, rank)).wait(timeout=60)
+        assert settle(comm, home) == 1
+        if leader(comm):  # as if HDF5 had leaked past the file's allowance
+            (grown,) = home.glob(layout.spare_pattern())
+            os.truncate(grown, 8 << 20)
+        comm.Barrier()
+        ckpt.save(3, state(3, rank)).wait(timeout=60)
+        assert not rewrote_spare(comm, home, 3)
+        assert settle(comm, home) == 1
+        ckpt.save(4, state(4, rank, rows=50)).wait(timeout=60)  # other shapes: a new file
+        assert not rewrote_spare(comm, home, 4)
+        step, arrays, _ = ckpt.restore()
+        assert step == 4 and same(arrays, state(4, rank, rows=50))
+
+
+def test_with_recycling_off_trimmed_files_are_deleted(comm, shared_tmp):
+    config = config_for(comm, shared_tmp, ckpt_recycle="off")
+    rank, home = comm.Get_rank(), node_ckpt_dir(comm, shared_tmp, "off")
+    with bbio.Checkpointer(comm, "off", keep_bb=1, config=config) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, state(step, rank)).wait(timeout=60)
+        assert settle(comm, home) == 0
+        step, arrays, _ = ckpt.restore()
+        assert step == 3 and same(arrays, state(3, rank))
