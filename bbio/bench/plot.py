@@ -53,7 +53,8 @@ def plot(
         chosen = [r for r in results if r["metric"] == metric]
         cases = list(dict.fromkeys(r["case"] for r in chosen))
         systems = list(dict.fromkeys(r["system"] for r in chosen))
-        colors = {s: f"C{i % 10}" for i, s in enumerate(systems)}
+        palette = plt.get_cmap("tab10" if len(systems) <= 10 else "tab20").colors
+        colors = {s: palette[i % len(palette)] for i, s in enumerate(systems)}
         labelled = set()
         for j, case in enumerate(cases):
             here = [r for r in chosen if r["case"] == case]

@@ -240,15 +240,15 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
     bb_record = files.read_json(bb_record_path) or {}
     if not task.is_save_of(bb_record):
         return None
-    existing = files.read_json(record_path)
-    if (
-        existing is not None
-        and task.is_save_of(existing)
-        and bb_record.get("crc32c") is not None
-        and existing.get("crc32c") == bb_record["crc32c"]
-        and task.target.exists()
-    ):
-        return existing
+    if bb_record.get("crc32c") is not None:  # drained before (a replay): the PFS copy may do
+        existing = files.read_json(record_path)
+        if (
+            existing is not None
+            and task.is_save_of(existing)
+            and existing.get("crc32c") == bb_record["crc32c"]
+            and task.target.exists()
+        ):
+            return existing
     with ThreadPoolExecutor(1) as pool:  # the description is read from the BB during the copy
         describing = pool.submit(describe_node_file, task.source, task.node)
         Path(task.pfs_step_dir).mkdir(parents=True, exist_ok=True)
