@@ -13,7 +13,7 @@ import pytest
 
 import bbio
 from bbio.checkpoint import layout
-from tests.test_checkpoint import config_for, leader, node_of, same, state
+from tests.test_checkpoint import _DeviceState, config_for, leader, node_of, same, state
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -24,8 +24,7 @@ def node_ckpt_dir(comm, tmp: Path, name: str) -> Path:
 
 def _leaders_say(comm, value):
     """Collective: what this rank's node leader computed (``value`` there)."""
-    root = comm.Get_rank() - comm.Get_rank() % (comm.Get_size() // 2)
-    return comm.bcast(value, root=root)
+    return comm.allgather(value)[comm.Get_rank() - comm.Get_rank() % (comm.Get_size() // 2)]
 
 
 def settle(comm, ckpt_dir: Path, keep: int = 1, timeout: float = 30) -> int:
@@ -47,8 +46,11 @@ def settle(comm, ckpt_dir: Path, keep: int = 1, timeout: float = 30) -> int:
 
 def rewrote_spare(comm, ckpt_dir: Path, step: int) -> bool:
     """Collective: is this node's file of ``step`` the spare :func:`settle` saw?"""
-    node_file = ckpt_dir / layout.step_dirname(step) / layout.node_filename(node_of(comm))
-    same_file = os.path.samefile(node_file, ckpt_dir.parent / "probe") if leader(comm) else None
+    same_file = None
+    if leader(comm):
+        node_file = ckpt_dir / layout.step_dirname(step) / layout.node_filename(node_of(comm))
+        probe = ckpt_dir.parent / "probe"
+        same_file = probe.exists() and node_file.exists() and os.path.samefile(node_file, probe)
     return _leaders_say(comm, same_file)
 
 
@@ -75,24 +77,26 @@ def test_a_trimmed_file_is_rewritten_in_place_by_the_next_save_of_its_layout(com
     assert not list(home.glob(layout.spare_pattern()))
 
 
-def test_a_spare_of_another_layout_or_grown_too_large_is_not_reused(comm, shared_tmp):
+def test_a_file_grown_too_large_or_a_spare_of_another_layout_is_not_reused(comm, shared_tmp):
     config = config_for(comm, shared_tmp)
     rank, home = comm.Get_rank(), node_ckpt_dir(comm, shared_tmp, "other")
     with bbio.Checkpointer(comm, "other", keep_bb=1, config=config) as ckpt:
         for step in (1, 2):
             ckpt.save(step, state(step, rank)).wait(timeout=60)
         assert settle(comm, home) == 1
-        if leader(comm):  # as if HDF5 had leaked past the file's allowance
-            (grown,) = home.glob(layout.spare_pattern())
-            os.truncate(grown, 8 << 20)
+        if leader(comm):  # as if HDF5 had leaked past the file's allowance in rewrites
+            step_2 = home / layout.step_dirname(2) / layout.node_filename(node_of(comm))
+            os.truncate(step_2, 8 << 20)
         comm.Barrier()
         ckpt.save(3, state(3, rank)).wait(timeout=60)
-        assert not rewrote_spare(comm, home, 3)
-        assert settle(comm, home) == 1
-        ckpt.save(4, state(4, rank, rows=50)).wait(timeout=60)  # other shapes: a new file
-        assert not rewrote_spare(comm, home, 4)
+        assert rewrote_spare(comm, home, 3)  # step 1's file
+        assert settle(comm, home) == 0  # step 2's file is deleted, not kept
+        ckpt.save(4, state(4, rank)).wait(timeout=60)
+        assert settle(comm, home) == 1  # step 3's file
+        ckpt.save(5, state(5, rank, rows=50)).wait(timeout=60)  # other shapes: a new file
+        assert not rewrote_spare(comm, home, 5)
         step, arrays, _ = ckpt.restore()
-        assert step == 4 and same(arrays, state(4, rank, rows=50))
+        assert step == 5 and same(arrays, state(5, rank, rows=50))
 
 
 def test_with_recycling_off_trimmed_files_are_deleted(comm, shared_tmp):
@@ -104,3 +108,27 @@ def test_with_recycling_off_trimmed_files_are_deleted(comm, shared_tmp):
         assert settle(comm, home) == 0
         step, arrays, _ = ckpt.restore()
         assert step == 3 and same(arrays, state(3, rank))
+
+
+def test_a_rank_failing_in_a_rewrite_fails_the_save_everywhere_and_the_next_save_works(
+    comm, shared_tmp
+):
+    config = config_for(comm, shared_tmp)
+    rank, victim = comm.Get_rank(), comm.Get_size() - 1
+    home = node_ckpt_dir(comm, shared_tmp, "fail")
+    with bbio.Checkpointer(comm, "fail", keep_bb=1, config=config) as ckpt:
+        counted = _DeviceState(state(1, rank))
+        ckpt.save(1, counted).wait(timeout=60)
+        ckpt.save(2, state(2, rank)).wait(timeout=60)
+        assert settle(comm, home) == 1
+        last_read = max(counted.reads.values())
+        arrays = state(3, rank)
+        with pytest.raises(bbio.BBIOError) as info:
+            ckpt.save(3, _DeviceState(arrays, last_read) if rank == victim else arrays)
+        message = str(info.value)
+        assert comm.allgather(message) == [message] * comm.Get_size()
+        assert "device lost while copying" in message, message
+        assert not (home / layout.step_dirname(3)).exists()  # withdrawn, the spare with it
+        ckpt.save(4, state(4, rank)).wait(timeout=60)
+        step, arrays, _ = ckpt.restore()
+        assert step == 4 and same(arrays, state(4, rank))

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from bbio import _native
-from bbio.checkpoint import drain, layout
+from bbio.checkpoint import drain, layout, restore
 from bbio.checkpoint.globalview import describe_node_file, merge_descriptions, write_global_view
 from bbio.checkpoint.writer import file_attrs
 from bbio.errors import IntegrityError
@@ -239,14 +239,14 @@ def test_layout_keys_tell_apart_what_a_rewrite_in_place_cannot_change():
     assert key not in others and len(set(others)) == len(others)
 
 
-def _drained_copies(bb, pfs, keys: dict[int, str]) -> None:
-    """Node 0's drained BB copies of ``keys``' steps (file: ``step<N>``), each recorded
-    with its layout key; step 9 committed on the PFS."""
-    for step, key in keys.items():
+def _drained_copies(bb, pfs, spares: dict[int, dict | None]) -> None:
+    """Node 0's drained BB copies of ``spares``' steps (file: ``step<N>``, 5 bytes), each
+    recorded with its spare allowance (or none); step 9 committed on the PFS."""
+    for step, spare in spares.items():
         step_dir = bb / layout.step_dirname(step)
         step_dir.mkdir(parents=True)
         (step_dir / layout.node_filename(0)).write_bytes(f"step{step}".encode())
-        record = {"size": 5, "crc32c": 7, "node": 0, "complete": True, "layout_key": key}
+        record = {"size": 5, "crc32c": 7, "node": 0, "complete": True, "spare": spare}
         files.write_json_atomic(step_dir / layout.node_record_name(0), record)
     committed = pfs / layout.step_dirname(9)
     committed.mkdir(parents=True, exist_ok=True)
@@ -258,7 +258,8 @@ def test_trimming_keeps_one_spare_that_only_a_save_of_its_layout_claims(tmp_path
     bb, pfs = tmp_path / "bb" / "ckpt" / "run", tmp_path / "pfs" / "ckpt" / "run"
     journal = drain.journal_dir(bb)
     journal.mkdir(parents=True)
-    _drained_copies(bb, pfs, {1: "aaaa", 2: "bbbb", 3: "bbbb"})
+    fits, grown = {"layout_key": "bbbb", "max_bytes": 5}, {"layout_key": "cccc", "max_bytes": 4}
+    _drained_copies(bb, pfs, {1: {"layout_key": "aaaa", "max_bytes": 5}, 2: fits, 3: fits})
     assert drain.trim_bb(bb, 0, 1, pfs, journal) == 0
     assert sorted(p.name for p in bb.glob("step-*")) == [layout.step_dirname(3)]
     spare = bb / layout.spare_filename(0, "bbbb")  # step 2's file; step 1's was dropped
@@ -266,35 +267,49 @@ def test_trimming_keeps_one_spare_that_only_a_save_of_its_layout_claims(tmp_path
     assert spare.read_bytes() == b"step2" and drain.spare_bytes(bb, 0) == 5
     target = bb / layout.step_dirname(4) / "node.tmp"
     target.parent.mkdir()
-    assert not drain.claim_spare(bb, 0, "aaaa", 1 << 20, target)  # another layout: deleted
-    assert not list(bb.glob(layout.spare_pattern())) and not target.exists()
-    spare.write_bytes(b"step2")
-    assert not drain.claim_spare(bb, 0, "bbbb", 4, target)  # grown past its allowance
-    assert not list(bb.glob(layout.spare_pattern())) and not target.exists()
-    spare.write_bytes(b"step2")
-    assert drain.claim_spare(bb, 0, "bbbb", 5, target) and target.read_bytes() == b"step2"
-    assert not drain.claim_spare(bb, 0, "bbbb", 5, target)  # none left
+    assert not drain.claim_spare(bb, 0, "aaaa", target)  # another layout's
+    assert drain.claim_spare(bb, 0, "bbbb", target) and target.read_bytes() == b"step2"
+    assert not drain.claim_spare(bb, 0, "bbbb", target)  # none left
+    _drained_copies(bb, pfs, {5: grown, 6: None})
+    assert drain.trim_bb(bb, 0, 1, pfs, journal) == 0
+    assert list(bb.glob(layout.spare_pattern())) == [spare]  # 5 grew past its allowance
+    assert spare.read_bytes() == b"step3"
+    assert not (bb / layout.step_dirname(5)).exists()
 
 
 def test_without_recycling_trimmed_files_are_deleted(tmp_path):
     bb, pfs = tmp_path / "bb" / "ckpt" / "run", tmp_path / "pfs" / "ckpt" / "run"
     journal = drain.journal_dir(bb)
     journal.mkdir(parents=True)
-    _drained_copies(bb, pfs, {1: "aaaa", 2: "aaaa"})
+    fits = {"layout_key": "aaaa", "max_bytes": 5}
+    _drained_copies(bb, pfs, {1: fits, 2: fits})
     assert drain.trim_bb(bb, 0, 1, pfs, journal, recycle=False) == 0
     assert [p.name for p in bb.iterdir() if p != journal] == [layout.step_dirname(2)]
+    bb_spare = bb / layout.spare_filename(0, "aaaa")
+    bb_spare.write_bytes(b"old")
+    drain.drop_spares(bb)
+    assert not bb_spare.exists()
 
 
-def test_a_node_file_without_its_crcs_is_refused_by_name(tmp_path):
+def test_node_files_with_a_crc_per_dataset_are_still_read(tmp_path):
+    """Files of earlier bbio builds: a crc32c attribute on each dataset, none at the root."""
     path = tmp_path / layout.node_filename(0)
     write_node_file(path, 7, 0, [0, 1], state)
     with h5py.File(path, "r+") as f:
-        crcs = json.loads(f.attrs[layout.CRC_ATTR])
-        del crcs[layout.rank_dataset("weights", 1)]
-        f.attrs[layout.CRC_ATTR] = json.dumps(crcs)
-    with pytest.raises(IntegrityError, match=r"dataset weights/r00001 has no recorded CRC32C"):
+        for name, crc in json.loads(f.attrs[layout.CRC_ATTR]).items():
+            f[name].attrs[layout.CRC_ATTR] = crc
+        del f.attrs[layout.CRC_ATTR]
+        del f[layout.rank_dataset("step", 1)].attrs[layout.CRC_ATTR]
+    with pytest.raises(IntegrityError, match=r"dataset step/r00001 has no recorded CRC32C"):
         describe_node_file(path, 0)
     with h5py.File(path, "r+") as f:
-        del f.attrs[layout.CRC_ATTR]
-    with pytest.raises(IntegrityError, match=r"no valid 'crc32c' attribute.*node-00000\.h5"):
+        f[layout.rank_dataset("step", 1)].attrs[layout.CRC_ATTR] = _native.crc32c(
+            np.int64(101).reshape(1).view(np.uint8)
+        )
+    entries = {(d["key"], d["rank"]): d["crc32c"] for d in describe_node_file(path, 0)["datasets"]}
+    assert entries[("weights", 1)] == _native.crc32c(state(1)["weights"].view(np.uint8))
+    assert restore.read_rank(path, 1)["step"] == 101
+    with h5py.File(path, "r+") as f:
+        f.attrs[layout.CRC_ATTR] = "{not json"
+    with pytest.raises(IntegrityError, match=r"invalid 'crc32c' attribute.*node-00000\.h5"):
         describe_node_file(path, 0)

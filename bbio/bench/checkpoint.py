@@ -61,10 +61,12 @@ up imports, MPI-IO, the drain processes and gloo; before each size, one
 untimed round of every system and one more save by ``bbio`` bring it to its
 steady state (a spare file of the size's layout on every node).  The systems' order rotates
 from one repetition to the next.  Before every system the files of the
-previous one are removed (the burst buffer is memory) and, as root, the page
-cache is dropped (``sync; echo 1 > /proc/sys/vm/drop_caches``; tmpfs keeps its
-files).  The PFS is a fresh directory under ``--pfs`` (default: the system
-temp directory, local disk), the burst buffers a fresh directory under
+previous one are removed (the burst buffer is memory), except what bbio's
+retention keeps (each checkpointer's last checkpoint, and ``bbio``'s spare),
+and, as root, the page cache is dropped (``sync; echo 1 >
+/proc/sys/vm/drop_caches``; tmpfs keeps its files).  The PFS is a fresh
+directory under ``--pfs`` (default: the system temp directory, local disk),
+the burst buffers a fresh directory under
 ``--bb`` (default ``/dev/shm``, tmpfs), both removed at the end.  The JSON's
 ``machine.checkpoint`` holds the paths, file system types, sizes, repetitions
 and the torch version (or why DCP was skipped).
@@ -508,9 +510,10 @@ class CheckpointBench:
         committed = time.perf_counter() - start
         if handle.direct or handle.skipped:
             raise UsageError(
-                f"bbio's save went {'straight to the PFS' if handle.direct else 'skipped'}: "
+                f"the save of checkpointer {ck.name} went "
+                f"{'straight to the PFS' if handle.direct else 'skipped'}: "
                 "the numbers would not measure the burst buffer",
-                hint="give --bb a directory with room for three checkpoints of a node",
+                hint="give --bb a directory with room for four checkpoints of a node",
             )
         result = _max(comm, blocking), _max(comm, committed)
         self._settle(ck, self.step)

@@ -37,7 +37,8 @@ from bbio.transfer import files
 
 log = logging.getLogger("bbio")
 
-FILE_OVERHEAD_BYTES = 1 << 20  # HDF5 metadata, per node file, generously
+FILE_OVERHEAD_BYTES = 1 << 20  # HDF5 metadata, per node file, generously ...
+DATASET_OVERHEAD_BYTES = 4 << 10  # ... and per dataset (about 1.4 KiB each when new)
 MAX_WAIT_POLL_SECONDS = 0.01  # the BB journal is asked: cheap; the PFS only with no drain running
 
 
@@ -214,7 +215,7 @@ class Checkpointer:
         need = [FILE_OVERHEAD_BYTES] * self.nodes
         free: dict[int, int] = {}
         for _, spec, _, node, node_free, _ in checked:
-            need[node] += sum(entry["bytes"] for entry in spec.values())
+            need[node] += sum(DATASET_OVERHEAD_BYTES + entry["bytes"] for entry in spec.values())
             if node_free is not None:
                 free[node] = node_free
         if step in self._pfs_steps or any(old for *_, old in checked):
@@ -234,7 +235,7 @@ class Checkpointer:
             with agreed(comm, f"checkpoint {self.name} step {step}: writing"):
                 recycled = False
                 if self.topo.is_leader and not direct:
-                    recycled = self._claim_spare(key, need[self.node], files.temp_path(node_file))
+                    recycled = self._claim_spare(key, files.temp_path(node_file))
                 size = write_node_file(
                     self.topo.node_comm,
                     node_file,
@@ -256,7 +257,7 @@ class Checkpointer:
                 )
             with agreed(comm, f"checkpoint {self.name} step {step}: recording"):
                 if self.topo.is_leader:
-                    self._record(step_dir, step, when, size, direct, key)
+                    self._record(step_dir, step, when, size, direct, key, need[self.node])
                     if not direct:
                         self._start_drain()
         except BBIOError:
@@ -320,20 +321,34 @@ class Checkpointer:
             for path in (record, node_file, files.temp_path(node_file)):
                 path.unlink(missing_ok=True)
 
-    def _claim_spare(self, key: str | None, max_bytes: int, target: Path) -> bool:
+    def _claim_spare(self, key: str | None, target: Path) -> bool:
         """A node leader: move the node's spare of layout ``key`` to ``target`` (True), or
-        delete its spares (without a ``key``, or none of it) so the new file has their room."""
-        if key is None:
-            with contextlib.suppress(OSError):
-                drain.drop_spares(self.bb_dir, self.node)
-            return False
-        return drain.claim_spare(self.bb_dir, self.node, key, max_bytes, target)
+        delete its spares (without a ``key``, or none of it) so the new file has their room.
+
+        Never raises: the node's other ranks wait for its answer, and a save
+        without a spare just writes a new file.
+        """
+        try:
+            if key is not None and drain.claim_spare(self.bb_dir, self.node, key, target):
+                return True
+            drain.drop_spares(self.bb_dir, self.node)
+        except Exception as exc:  # recycling only saves time: it never fails a save
+            log.warning("checkpoint %s: node %d writes a new file: %s", self.name, self.node, exc)
+        return False
 
     def _record(
-        self, step_dir: Path, step: int, when: float, size: int, direct: bool, key: str | None
+        self,
+        step_dir: Path,
+        step: int,
+        when: float,
+        size: int,
+        direct: bool,
+        key: str | None,
+        room: int,
     ) -> None:
         """The node leader's bookkeeping once its node file (of the save at ``when``) is
-        durable; ``key``, its layout key, lets retention keep the file as a spare."""
+        durable.  With a layout ``key``, retention keeps the file as a spare while it
+        stays within the ``room`` a save of it is given."""
         record_path = step_dir / layout.node_record_name(self.node)
         if direct:  # on the PFS already: record its CRC32C and contents for the commit
             node_file = step_dir / layout.node_filename(self.node)
@@ -351,7 +366,7 @@ class Checkpointer:
             return
         record = {"size": size, "crc32c": None, "node": self.node, "time": when, "complete": True}
         if key is not None:
-            record["layout_key"] = key
+            record["spare"] = {"layout_key": key, "max_bytes": room}
         files.write_json_atomic(record_path, record)
         drain.add_task(
             self.journal,
@@ -423,7 +438,8 @@ class Checkpointer:
         return not short
 
     def _trim_bb(self, keep: int) -> None:
-        """Delete this node's oldest drained BB copies beyond ``keep``, and its spares."""
+        """Delete this node's oldest drained BB copies beyond ``keep``, and its spares
+        (not collective: a node leader)."""
         drain.trim_bb(self.bb_dir, self.node, keep, self.pfs_dir, self.journal, recycle=False)
         drain.drop_spares(self.bb_dir, self.node)
 

@@ -460,10 +460,11 @@ def trim_bb(
     copy just written, or one still draining, is never touched.  With
     ``recycle``, a copy whose record names its layout key (``ckpt_recycle``)
     leaves its file behind as the node's one spare instead, for the next save
-    of that layout to rewrite in place.  Not collective: the node's drain calls
-    it after each task, and a save calls it (without ``recycle``) when the
-    burst buffer is short of room.  The PFS is looked at only when there are
-    copies beyond ``keep``.  Returns how many are left beyond it.
+    of that layout to rewrite in place, while the file is within the record's
+    ``max_bytes`` (rewrites grow it a little).  Not collective: the node's
+    drain calls it after each task, and a save calls it (without ``recycle``)
+    when the burst buffer is short of room.  The PFS is looked at only when
+    there are copies beyond ``keep``.  Returns how many are left beyond it.
     """
     copies = sorted(
         step
@@ -485,18 +486,10 @@ def trim_bb(
             left += 1
             continue
         record_path, node_file = (step_dir / name for name in layout.node_copy_names(node))
-        spare = None
-        if recycle and record.get("layout_key"):
-            spare = bb_ckpt_dir / layout.spare_filename(node, record["layout_key"])
         try:
             record_path.unlink(missing_ok=True)  # first: the copy is gone once its record is
-            if spare is None:
+            if not (recycle and _keep_as_spare(bb_ckpt_dir, node, node_file, record)):
                 node_file.unlink(missing_ok=True)
-            else:
-                drop_spares(bb_ckpt_dir, node)
-                os.replace(node_file, spare)
-        except FileNotFoundError:
-            pass
         except OSError as exc:
             raise from_oserror(exc, "delete an old burst-buffer copy", node_file) from None
         with contextlib.suppress(OSError):
@@ -504,8 +497,26 @@ def trim_bb(
     return left
 
 
+def _keep_as_spare(bb_ckpt_dir: Path, node: int, node_file: Path, record: dict[str, Any]) -> bool:
+    """Make a trimmed node file the node's spare, if its record allows; True if kept."""
+    spare = record.get("spare") or {}
+    try:
+        if not spare or node_file.stat().st_size > spare["max_bytes"]:
+            return False
+    except FileNotFoundError:
+        return False
+    drop_spares(bb_ckpt_dir, node)
+    target = bb_ckpt_dir / layout.spare_filename(node, spare["layout_key"])
+    try:
+        os.replace(node_file, target)
+    except OSError as exc:
+        raise from_oserror(exc, "keep a trimmed burst-buffer file as the spare", target) from None
+    return True
+
+
 def spare_bytes(bb_ckpt_dir: Path, node: int) -> int:
-    """The bytes of ``node``'s spare files: room a save of that node may count as free."""
+    """Not collective: the bytes of ``node``'s spare files, room a save of that node may
+    count as free."""
     total = 0
     for spare in bb_ckpt_dir.glob(layout.spare_pattern(node)):
         with contextlib.suppress(OSError):
@@ -514,38 +525,35 @@ def spare_bytes(bb_ckpt_dir: Path, node: int) -> int:
 
 
 def drop_spares(bb_ckpt_dir: Path, node: int | None = None) -> None:
-    """Delete ``node``'s spare files (every node's, for None).  Not collective; a spare
+    """Not collective: delete ``node``'s spare files (every node's, for None).  A spare
     that another process claims or deletes meanwhile is simply gone."""
     for spare in bb_ckpt_dir.glob(layout.spare_pattern(node)):
-        spare.unlink(missing_ok=True)
+        try:
+            spare.unlink(missing_ok=True)
+        except OSError as exc:
+            raise from_oserror(exc, "delete a spare checkpoint file", spare) from None
 
 
-def claim_spare(bb_ckpt_dir: Path, node: int, key: str, max_bytes: int, target: Path) -> bool:
-    """Move ``node``'s spare of layout ``key`` to ``target`` if there is one of at most
-    ``max_bytes`` (a file rewritten in place keeps what HDF5 leaked into it, so it is
-    recycled only while it stays that small); delete every other spare.  True if claimed.
-
-    Never raises: without a spare, the save writes a new file.  Not collective
-    (a node leader, before its node writes); the rename is atomic, so a drain
-    trimming meanwhile either hands the file over or keeps it.
-    """
-    spare = bb_ckpt_dir / layout.spare_filename(node, key)
-    claimed = False
-    with contextlib.suppress(OSError):
-        if spare.stat().st_size <= max_bytes:
-            os.replace(spare, target)
-            claimed = True
-    with contextlib.suppress(OSError):
-        drop_spares(bb_ckpt_dir, node)
-    return claimed
+def claim_spare(bb_ckpt_dir: Path, node: int, key: str, target: Path) -> bool:
+    """Not collective (a node leader, before its node writes): move ``node``'s spare of
+    layout ``key`` to ``target``; True if there was one.  The rename is atomic, so a
+    drain trimming meanwhile either hands the file over or keeps it."""
+    try:
+        os.replace(bb_ckpt_dir / layout.spare_filename(node, key), target)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise from_oserror(exc, "take the spare checkpoint file", target) from None
+    return True
 
 
-def _trim_after(journal: Path, task: Task) -> bool:
+def _trim_after(journal: Path, task: Task, recycle: bool = True) -> bool:
     """BB retention for ``task``'s node and checkpointer; True if copies are left to trim
     later (tolerates a vanished directory)."""
     bb_ckpt_dir, pfs_ckpt_dir = Path(task.bb_step_dir).parent, Path(task.pfs_step_dir).parent
     try:
-        return trim_bb(bb_ckpt_dir, task.node, task.keep_bb, pfs_ckpt_dir, journal) > 0
+        left = trim_bb(bb_ckpt_dir, task.node, task.keep_bb, pfs_ckpt_dir, journal, recycle)
+        return left > 0
     except (OSError, BBIOError):
         return True
 
@@ -736,8 +744,8 @@ def _drain(
                 trimmed_at = now
             if finish or (journal / STOP).exists() or not _process_alive(parent):
                 if untrimmed is not None:
-                    _trim_after(journal, untrimmed)
-                with contextlib.suppress(OSError):  # no save will come to reuse them
+                    _trim_after(journal, untrimmed, recycle=False)
+                with contextlib.suppress(BBIOError):  # no save will come to reuse them
                     drop_spares(journal.parent)
                 commits.report(state=STOPPED)
                 return 0

@@ -72,20 +72,32 @@ def describe_node_file(path: Path, node: int) -> dict[str, Any]:
 
 def recorded_crcs(f, path: Path) -> dict[str, int]:
     """Not collective: the CRC32C of every dataset of the open node file ``f`` (at
-    ``path``), by dataset path, from its root attribute ``crc32c``."""
+    ``path``), by dataset path, from its root attribute ``crc32c``.  Files of
+    earlier bbio builds kept a ``crc32c`` attribute on each dataset instead:
+    those are read."""
+    import h5py
+
+    if layout.CRC_ATTR not in f.attrs:
+        crcs: dict[str, int] = {}
+
+        def visit(name: str, obj) -> None:
+            if isinstance(obj, h5py.Dataset) and layout.CRC_ATTR in obj.attrs:
+                crcs[name] = int(obj.attrs[layout.CRC_ATTR])
+
+        f.visititems(visit)
+        return crcs
     try:
         return {name: int(crc) for name, crc in json.loads(f.attrs[layout.CRC_ATTR]).items()}
-    except (KeyError, TypeError, ValueError, AttributeError):
+    except (TypeError, ValueError, AttributeError):
         raise IntegrityError(
-            f"node file has no valid {layout.CRC_ATTR!r} attribute (the CRC32C of each dataset)",
+            f"node file has an invalid {layout.CRC_ATTR!r} attribute (JSON: each dataset's CRC32C)",
             path=path,
-            hint="it is not a bbio checkpoint file, or was written by an older bbio: "
-            "restore it with the bbio that wrote it",
+            hint="it is damaged or not a bbio checkpoint file",
         ) from None
 
 
 def recorded_crc(crcs: dict[str, int], dataset: str, path: Path) -> int:
-    """The CRC32C ``crcs`` (:func:`recorded_crcs`) holds for ``dataset``."""
+    """Not collective: the CRC32C ``crcs`` (:func:`recorded_crcs`) holds for ``dataset``."""
     if dataset not in crcs:
         raise IntegrityError(f"dataset {dataset} has no recorded CRC32C", path=path)
     return crcs[dataset]
