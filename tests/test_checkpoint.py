@@ -214,21 +214,29 @@ class _DeviceState(Mapping):
         return len(self.arrays)
 
 
+def failed_save(comm, ckpt, step: int, last_read: int) -> str:
+    """Collective: save ``step`` with the last rank's state failing on its ``last_read``-th
+    read of each key; the error, checked to be the same on every rank."""
+    rank, victim = comm.Get_rank(), comm.Get_size() - 1
+    arrays = state(step, rank)
+    with pytest.raises(bbio.BBIOError) as info:
+        ckpt.save(step, _DeviceState(arrays, last_read) if rank == victim else arrays)
+    message = str(info.value)
+    assert comm.allgather(message) == [message] * comm.Get_size()
+    assert "device lost while copying" in message, message
+    return message
+
+
 def test_a_rank_failing_while_writing_fails_the_save_on_every_rank(comm, shared_tmp):
     """One rank's state fails as its bytes are written (its last read in a save): no hang,
     the same error on every rank, nothing committed, and the next save works."""
     config = config_for(comm, shared_tmp)
-    rank, victim = comm.Get_rank(), comm.Get_size() - 1
+    rank = comm.Get_rank()
     with bbio.Checkpointer(comm, "w", config=config) as ckpt:
         counted = _DeviceState(state(1, rank))
         ckpt.save(1, counted).wait(timeout=60)
-        last_read = max(counted.reads.values())
-        arrays = state(2, rank)
-        with pytest.raises(bbio.BBIOError) as info:
-            ckpt.save(2, _DeviceState(arrays, last_read) if rank == victim else arrays)
-        message = str(info.value)
-        assert comm.allgather(message) == [message] * comm.Get_size()
-        assert "node-00001.h5" in message and "device lost while copying" in message, message
+        message = failed_save(comm, ckpt, 2, max(counted.reads.values()))
+        assert "node-00001.h5" in message, message
         for node in ("0", "1"):  # withdrawn: no file, temporary file or record is left
             assert not (shared_tmp / "bb" / node / "ckpt" / "w" / "step-00000002").exists()
         ckpt.save(3, state(3, rank)).wait(timeout=60)
