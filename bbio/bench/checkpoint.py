@@ -59,8 +59,8 @@ Derived, metric ``GB_per_s`` (10**9 bytes/s of state, all ranks): ``bbio-drain``
 Before measuring, one untimed round of every system at 1 MiB per rank warms
 up imports, MPI-IO, the drain processes and gloo; before each size, one
 untimed round of every system and one more save by ``bbio`` bring it to its
-steady state (a spare file of the size's layout on every node).  The systems' order rotates
-from one repetition to the next.  Before every system the files of the
+steady state (a spare file of the size's layout on every node).  The systems'
+order rotates from one repetition to the next.  Before every system the files of the
 previous one are removed (the burst buffer is memory), except what bbio's
 retention keeps (each checkpointer's last checkpoint, and ``bbio``'s spare),
 and, as root, the page cache is dropped (``sync; echo 1 >

@@ -17,9 +17,9 @@ A save may instead rewrite a recycled file in place: a drained node file of the
 very same layout (datasets, shapes, dtypes, placement), moved to the temporary
 name by the node leader before the save.  The ranks open it (``r+``), set the
 root attributes (the CRCs among them) anew and overwrite every dataset's bytes;
-nothing else in the file changes.  Overwriting pages the file already has spares the file
-system their allocation: on tmpfs, writing into a new file costs about twice
-as much as overwriting one.
+nothing else in the file changes.  Overwriting pages the file already has saves
+the file system their allocation: on tmpfs, writing into a new file costs about
+twice as much as overwriting one.
 """
 
 from __future__ import annotations
