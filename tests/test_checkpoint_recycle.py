@@ -108,6 +108,33 @@ def test_a_file_grown_too_large_or_a_spare_of_another_layout_is_not_reused(comm,
         assert step == 5 and same(arrays, state(5, rank, rows=50))
 
 
+def test_a_damaged_spare_is_laid_out_anew_and_the_save_succeeds(comm, shared_tmp, caplog):
+    config = config_for(comm, shared_tmp)
+    rank, home = comm.Get_rank(), node_ckpt_dir(comm, shared_tmp, "damaged")
+    with bbio.Checkpointer(comm, "damaged", keep_bb=1, config=config) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, state(step, rank)).wait(timeout=60)
+        assert settle(comm, home) == 1
+        damaged = node_of(comm) == 0 and leader(comm)
+        if damaged:  # its layout key no longer says what it holds
+            (spare,) = home.glob(layout.spare_pattern())
+            with h5py.File(spare, "r+") as f:
+                del f[layout.rank_dataset("model/w", rank)]
+                f.create_dataset(layout.rank_dataset("model/w", rank), shape=(3,), dtype="f4")
+                f["junk"] = np.arange(4)
+        comm.Barrier()
+        with caplog.at_level("WARNING", logger="bbio"):
+            ckpt.save(3, state(3, rank)).wait(timeout=60)
+        assert ("laid out anew" in caplog.text) == damaged, caplog.text
+        node_file = home / layout.step_dirname(3) / layout.node_filename(node_of(comm))
+        if leader(comm):
+            with h5py.File(node_file, "r") as f:
+                assert "junk" not in f
+        assert rewrote_spare(comm, home, 3)  # node 0 truncated the same file to lay it out
+        step, arrays, _ = ckpt.restore()
+        assert step == 3 and same(arrays, state(3, rank))
+
+
 def test_with_recycling_off_trimmed_files_are_deleted(comm, shared_tmp):
     config = config_for(comm, shared_tmp, ckpt_recycle="off")
     rank, home = comm.Get_rank(), node_ckpt_dir(comm, shared_tmp, "off")

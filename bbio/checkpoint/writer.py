@@ -15,18 +15,23 @@ last.
 
 A save may instead rewrite a recycled file in place: a drained node file of the
 very same layout (datasets, shapes, dtypes, placement), moved to the temporary
-name by the node leader before the save.  The ranks open it (``r+``), set the
-root attributes (the CRCs among them) anew and overwrite every dataset's bytes;
-nothing else in the file changes.  Overwriting pages the file already has saves
-the file system their allocation: on tmpfs, writing into a new file costs about
-twice as much as overwriting one.
+name by the node leader before the save.  No dataset is created and no HDF5
+metadata but the root attributes changes, so no collective HDF5 call is
+needed: the node's rank 0 opens the file alone, finds every dataset in place
+and tells the node's ranks their offsets; each rank overwrites its arrays'
+bytes with their CRC32C as above; rank 0 gathers the CRCs, sets the root
+attributes anew and closes.  Overwriting pages the file already has saves the
+file system their allocation: on tmpfs, writing into a new file costs about
+twice as much as overwriting one.  A spare not as its layout key says (damage
+in the burst buffer) is laid out anew instead.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +40,11 @@ import numpy as np
 from bbio import _native
 from bbio._version import __version__
 from bbio.checkpoint.layout import CRC_ATTR, GLOBAL, Shard, check_key, rank_dataset
-from bbio.errors import DependencyError, UsageError
+from bbio.errors import DependencyError, IntegrityError, UsageError
 from bbio.mpi import agreed
 from bbio.transfer import files
+
+log = logging.getLogger("bbio")
 
 
 def _h5py():
@@ -92,35 +99,30 @@ def write_node_file(
     :func:`describe`) of every rank of the node, the same on each; ``attrs``
     the file's root attributes (the same on every rank).  ``recycled``, read on
     the node's rank 0: the temporary file is already there, a node file of
-    this very layout, to be rewritten in place.  Returns the file's size on
-    the node's rank 0, once the file is durable under its final name there;
-    other ranks return 0 before that.  A rank whose write fails makes every
-    rank of the node raise its error (the file is never renamed).
+    this very layout, to be rewritten in place if rank 0 finds every dataset
+    in it as expected (else the file is laid out anew).  Returns the file's
+    size on the node's rank 0, once the file is durable under its final name
+    there; other ranks return 0 before that.  A rank whose write fails makes
+    every rank of the node raise its error (the file is never renamed).
     """
     h5py = _h5py()
     temp = files.temp_path(path)
-    recycled = node_comm.bcast(recycled, root=0)
+    leader = node_comm.Get_rank() == 0
     # the agreement is also the barrier after which rank 0 makes the file durable
-    with (
-        agreed(node_comm, f"writing {path}"),
-        h5py.File(temp, "r+" if recycled else "w", driver="mpio", comm=node_comm) as f,
-    ):
-        for name, value in attrs.items():
-            f.attrs.modify(name, value)
-        if not recycled:
-            _create_datasets(h5py, f, node_specs)
-        crcs, failure = {}, None
+    with agreed(node_comm, f"writing {path}"):
+        spare = _open_spare(h5py, temp, node_specs) if leader and recycled else None
         try:
-            crcs = _write_raw(temp, f, rank, arrays)
-        except Exception as exc:  # shared first: the file's close is collective
-            failure = exc
-        shared = node_comm.allgather(None if failure else crcs)
-        if failure is not None:
-            raise failure
-        if None not in shared:  # else another rank failed: it raises, and so will agreed
-            crcs = {name: crc for owner_crcs in shared for name, crc in owner_crcs.items()}
-            f.attrs.modify(CRC_ATTR, json.dumps(crcs, sort_keys=True))
-    if node_comm.Get_rank() != 0:
+            offsets = node_comm.bcast(None if spare is None else spare[1], root=0)
+            if offsets is None:
+                _write_new_file(h5py, node_comm, temp, rank, arrays, node_specs, attrs)
+            else:
+                crcs = _gather_crcs(node_comm, lambda: _write_raw(temp, rank, arrays, offsets.get))
+                if spare is not None and crcs is not None:
+                    _set_root_attrs(spare[0], attrs, crcs)
+        finally:
+            if spare is not None:
+                spare[0].close()
+    if not leader:
         return 0
     fd = os.open(temp, os.O_RDONLY)
     try:
@@ -131,6 +133,97 @@ def write_node_file(
     os.replace(temp, path)
     files.fsync_dirs([path.parent])
     return size
+
+
+def _write_new_file(
+    h5py,
+    node_comm,
+    temp: Path,
+    rank: int,
+    arrays: Mapping[str, Any],
+    node_specs: Sequence[tuple[int, Mapping[str, dict]]],
+    attrs: Mapping[str, Any],
+) -> None:
+    """Collective over ``node_comm``: lay the file out with parallel HDF5, write every
+    rank's arrays into it, set the root attributes."""
+    with h5py.File(temp, "w", driver="mpio", comm=node_comm) as f:
+        _create_datasets(h5py, f, node_specs)
+        crcs = _gather_crcs(
+            node_comm,
+            lambda: _write_raw(temp, rank, arrays, lambda name: f[name].id.get_offset()),
+            everywhere=True,
+        )
+        if crcs is not None:  # else a rank failed: it raises, and so will agreed
+            _set_root_attrs(f, attrs, crcs)
+
+
+def _gather_crcs(
+    node_comm, write: Callable[[], dict[str, int]], everywhere: bool = False
+) -> dict[str, int] | None:
+    """Collective over ``node_comm``: run this rank's ``write`` and share the CRC32Cs of
+    every rank's datasets with the node's rank 0 (``everywhere``: with every rank).
+    Raises this rank's failure once shared (the caller's close may be collective);
+    None where another rank failed, and on ranks the CRCs are not shared with."""
+    crcs, failure = {}, None
+    try:
+        crcs = write()
+    except Exception as exc:
+        failure = exc
+    mine = None if failure else crcs
+    shared = node_comm.allgather(mine) if everywhere else node_comm.gather(mine, root=0)
+    if failure is not None:
+        raise failure
+    if shared is None or None in shared:
+        return None
+    return {name: crc for owner_crcs in shared for name, crc in owner_crcs.items()}
+
+
+def _set_root_attrs(f, attrs: Mapping[str, Any], crcs: dict[str, int]) -> None:
+    for name, value in attrs.items():
+        f.attrs.modify(name, value)
+    f.attrs.modify(CRC_ATTR, json.dumps(crcs, sort_keys=True))
+
+
+def _open_spare(h5py, temp: Path, node_specs: Sequence[tuple[int, Mapping[str, dict]]]):
+    """The node's rank 0: open the recycled file ``temp`` (alone: only its root
+    attributes will change) and find every dataset of ``node_specs`` in it, of its
+    shape and dtype, its bytes contiguous.  Returns the open file and the datasets'
+    offsets, or None (said in the log) if the file is to be laid out anew.  Never
+    raises: the node's other ranks wait for its answer."""
+    try:
+        f = h5py.File(temp, "r+")
+    except Exception as exc:
+        log.warning("checkpoint file %s: the spare does not open (%s): laid out anew", temp, exc)
+        return None
+    try:
+        offsets = {}
+        for owner, owner_spec in node_specs:
+            for key, entry in owner_spec.items():
+                name = rank_dataset(key, owner)
+                offsets[name] = _offset_in_spare(h5py, f, name, entry)
+    except Exception as exc:
+        f.close()
+        log.warning("checkpoint file %s: %s: laid out anew", temp, exc)
+        return None
+    return f, offsets
+
+
+def _offset_in_spare(h5py, f, name: str, entry: dict) -> int | None:
+    """Where dataset ``name`` of the spare ``f`` keeps its bytes (None: it has none),
+    checked to hold an array as ``entry`` (:func:`describe`) describes it."""
+    dataset = f.get(name)
+    if not isinstance(dataset, h5py.Dataset):
+        raise IntegrityError(f"the spare has no dataset {name}")
+    if list(dataset.shape) != entry["shape"] or dataset.dtype.str != entry["dtype"]:
+        raise IntegrityError(
+            f"the spare's {name} is {dataset.shape} {dataset.dtype.str}, not as saved: {entry}"
+        )
+    if not entry["bytes"]:
+        return None
+    offset = dataset.id.get_offset()
+    if offset is None or dataset.id.get_storage_size() != entry["bytes"]:
+        raise IntegrityError(f"the spare's {name} does not hold its bytes in one extent")
+    return offset
 
 
 def _create_datasets(h5py, f, node_specs: Sequence[tuple[int, Mapping[str, dict]]]) -> None:
@@ -152,9 +245,11 @@ def _create_datasets(h5py, f, node_specs: Sequence[tuple[int, Mapping[str, dict]
                 dataset.attrs["global_shape"] = entry["global_shape"]
 
 
-def _write_raw(temp: Path, f, rank: int, arrays: Mapping[str, Any]) -> dict[str, int]:
-    """Write this rank's arrays into their datasets' allocated space; their CRC32Cs by
-    dataset name."""
+def _write_raw(
+    temp: Path, rank: int, arrays: Mapping[str, Any], offset_of: Callable[[str], int | None]
+) -> dict[str, int]:
+    """Write this rank's arrays into their datasets' allocated space (``offset_of`` a
+    dataset's name); their CRC32Cs by dataset name."""
     crcs = {}
     fd = os.open(temp, os.O_WRONLY)
     try:
@@ -162,9 +257,7 @@ def _write_raw(temp: Path, f, rank: int, arrays: Mapping[str, Any]) -> dict[str,
             name = rank_dataset(key, rank)
             data = np.ascontiguousarray(value.data if isinstance(value, Shard) else value)
             raw = data.reshape(-1).view(np.uint8)
-            crcs[name] = (
-                _native.pwrite_crc(fd, raw, f[name].id.get_offset(), temp) if data.size else 0
-            )
+            crcs[name] = _native.pwrite_crc(fd, raw, offset_of(name), temp) if data.size else 0
     finally:
         os.close(fd)
     return crcs
