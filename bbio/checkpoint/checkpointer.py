@@ -190,19 +190,27 @@ class Checkpointer:
 
         def check() -> tuple:
             layout.step_dirname(step)
-            json.dumps(dict(attrs or {}))
+            user_attrs = json.dumps(dict(attrs or {}), sort_keys=True)
             spec = describe(arrays)
             free, old_copy = None, False
             if self.topo.is_leader:  # a spare is claimed or deleted before the node writes
                 free = files.free_bytes(self.bb_dir) + drain.spare_bytes(self.bb_dir, self.node)
                 old_copy = self._has_bb_copy(step)
                 (self.bb_dir / layout.step_dirname(step)).mkdir(parents=True, exist_ok=True)
-            return layout.layout_of(arrays), spec, time.time(), self.node, free, old_copy
+            kind = layout.layout_of(arrays)
+            return kind, spec, time.time(), self.node, free, old_copy, user_attrs
 
         checked = agreed_allgather(comm, f"checkpoint {self.name} step {step}: checking", check)
         kinds = {kind for kind, *_ in checked}
         if len(kinds) != 1:
+            self._drop_unused_bb_step_dir(step)
             raise UsageError(f"ranks disagree on the layout of checkpoint {step}: {sorted(kinds)}")
+        if len({user_attrs for *_, user_attrs in checked}) != 1:
+            self._drop_unused_bb_step_dir(step)
+            raise UsageError(
+                f"ranks disagree on the attrs of checkpoint {step}",
+                hint="pass the same attrs on every rank (they are the checkpoint's, not a rank's)",
+            )
         kind, when = checked[0][0], checked[0][2]
         all_specs = [spec for _, spec, *_ in checked]
         shapes = global_shapes(all_specs, kind)
@@ -214,11 +222,11 @@ class Checkpointer:
             return dataclasses.replace(handle, skipped=True)
         need = [FILE_OVERHEAD_BYTES] * self.nodes
         free: dict[int, int] = {}
-        for _, spec, _, node, node_free, _ in checked:
+        for _, spec, _, node, node_free, *_ in checked:
             need[node] += sum(DATASET_OVERHEAD_BYTES + entry["bytes"] for entry in spec.values())
             if node_free is not None:
                 free[node] = node_free
-        if step in self._pfs_steps or any(old for *_, old in checked):
+        if step in self._pfs_steps or any(old for *_, old, _ in checked):
             self._replace(step)  # saved before: its old copies go before any node writes
         self._pfs_steps.add(step)
         direct = not self._room_in_every_bb(need, free)

@@ -23,11 +23,13 @@ bytes with their CRC32C as above; rank 0 gathers the CRCs, sets the root
 attributes anew and closes.  Overwriting pages the file already has saves the
 file system their allocation: on tmpfs, writing into a new file costs about
 twice as much as overwriting one.  A spare not as its layout key says (damage
-in the burst buffer) is laid out anew instead.
+in the burst buffer) is deleted, and the file laid out anew.
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import logging
 import os
@@ -116,7 +118,9 @@ def write_node_file(
             if offsets is None:
                 _write_new_file(h5py, node_comm, temp, rank, arrays, node_specs, attrs)
             else:
-                crcs = _gather_crcs(node_comm, lambda: _write_raw(temp, rank, arrays, offsets.get))
+                crcs = _gather_crcs(
+                    node_comm, lambda: _write_raw(temp, rank, arrays, offsets.__getitem__)
+                )
                 if spare is not None and crcs is not None:
                     _set_root_attrs(spare[0], attrs, crcs)
         finally:
@@ -186,37 +190,75 @@ def _set_root_attrs(f, attrs: Mapping[str, Any], crcs: dict[str, int]) -> None:
 
 def _open_spare(h5py, temp: Path, node_specs: Sequence[tuple[int, Mapping[str, dict]]]):
     """The node's rank 0: open the recycled file ``temp`` (alone: only its root
-    attributes will change) and find every dataset of ``node_specs`` in it, of its
-    shape and dtype, its bytes contiguous.  Returns the open file and the datasets'
-    offsets, or None (said in the log) if the file is to be laid out anew.  Never
-    raises: the node's other ranks wait for its answer."""
+    attributes will change) and check that it holds the datasets of ``node_specs``
+    and nothing else (:func:`_spare_offsets`).  Returns the open file and the
+    datasets' offsets; or None, said in the log, once ``temp`` is deleted, for the
+    file to be laid out anew (a reader of the old file keeps it).  Never raises:
+    the node's other ranks wait for its answer."""
+    f = None
     try:
-        f = h5py.File(temp, "r+")
+        f = h5py.File(temp, "r+", locking="best-effort")
+        return f, _spare_offsets(h5py, f, node_specs)
     except Exception as exc:
-        log.warning("checkpoint file %s: the spare does not open (%s): laid out anew", temp, exc)
+        if f is not None:
+            with contextlib.suppress(Exception):
+                f.close()
+        log.warning(
+            "checkpoint file %s: the spare cannot be rewritten (%s): laid out anew", temp, exc
+        )
+        with contextlib.suppress(OSError):
+            temp.unlink()
         return None
-    try:
-        offsets = {}
-        for owner, owner_spec in node_specs:
-            for key, entry in owner_spec.items():
-                name = rank_dataset(key, owner)
-                offsets[name] = _offset_in_spare(h5py, f, name, entry)
-    except Exception as exc:
-        f.close()
-        log.warning("checkpoint file %s: %s: laid out anew", temp, exc)
-        return None
-    return f, offsets
 
 
-def _offset_in_spare(h5py, f, name: str, entry: dict) -> int | None:
-    """Where dataset ``name`` of the spare ``f`` keeps its bytes (None: it has none),
-    checked to hold an array as ``entry`` (:func:`describe`) describes it."""
-    dataset = f.get(name)
-    if not isinstance(dataset, h5py.Dataset):
-        raise IntegrityError(f"the spare has no dataset {name}")
-    if list(dataset.shape) != entry["shape"] or dataset.dtype.str != entry["dtype"]:
+def _spare_offsets(
+    h5py, f, node_specs: Sequence[tuple[int, Mapping[str, dict]]]
+) -> dict[str, int | None]:
+    """Where each dataset of the spare ``f`` keeps its bytes (None: it has none),
+    checked to hold the arrays ``node_specs`` describe, each in an extent of its
+    own, and no other dataset."""
+    expected = {
+        rank_dataset(key, owner): entry
+        for owner, owner_spec in node_specs
+        for key, entry in owner_spec.items()
+    }
+    groups = {name.rsplit("/", i)[0] for name in expected for i in range(1, name.count("/") + 1)}
+    found: list[str] = []
+    f.visit(found.append)  # names only: cheaper than making an object of each
+    if set(found) != set(expected) | groups:
         raise IntegrityError(
-            f"the spare's {name} is {dataset.shape} {dataset.dtype.str}, not as saved: {entry}"
+            f"the spare holds {sorted(set(found) - set(expected) - groups)} beside the saved "
+            f"datasets and lacks {sorted(set(expected) - set(found))}"
+        )
+    offsets: dict[str, int | None] = {}
+    for name, entry in expected.items():
+        offsets[name] = _offset_in_spare(f[name], name, entry)
+    extents = sorted(
+        (offset, expected[name]["bytes"]) for name, offset in offsets.items() if offset is not None
+    )
+    for (first, size), (second, _) in itertools.pairwise(extents):
+        if first + size > second:
+            raise IntegrityError(f"the spare's datasets overlap at byte {second}")
+    return offsets
+
+
+def _offset_in_spare(dataset, name: str, entry: dict) -> int | None:
+    """Where ``dataset`` (``name``) keeps its bytes (None: it has none), checked to
+    hold an array as ``entry`` (:func:`describe`) describes it."""
+    placement = {
+        k: [int(v) for v in dataset.attrs[k]]
+        for k in ("start", "global_shape")
+        if k in dataset.attrs
+    }
+    saved = {k: entry[k] for k in ("start", "global_shape") if k in entry}
+    if (
+        list(dataset.shape) != entry["shape"]
+        or dataset.dtype.str != entry["dtype"]
+        or placement != saved
+    ):
+        raise IntegrityError(
+            f"the spare's {name} is {dataset.shape} {dataset.dtype.str} {placement}, "
+            f"not as saved: {entry}"
         )
     if not entry["bytes"]:
         return None
