@@ -183,6 +183,8 @@ def _gather_crcs(
 
 
 def _set_root_attrs(f, attrs: Mapping[str, Any], crcs: dict[str, int]) -> None:
+    """Set ``attrs`` and the datasets' CRC32Cs as ``f``'s root attributes (collective
+    where ``f`` is open collectively)."""
     for name, value in attrs.items():
         f.attrs.modify(name, value)
     f.attrs.modify(CRC_ATTR, json.dumps(crcs, sort_keys=True))
