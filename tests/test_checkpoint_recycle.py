@@ -63,6 +63,13 @@ def rewrote_spare(comm, ckpt_dir: Path, step: int) -> bool:
     return _leaders_say(comm, same_file)
 
 
+def save_until_a_spare(comm, ckpt, home: Path) -> None:
+    """Collective: save steps 1 and 2 (``keep_bb`` 1): step 1's file becomes the spare."""
+    for step in (1, 2):
+        ckpt.save(step, state(step, comm.Get_rank())).wait(timeout=60)
+    assert settle(comm, home) == 1
+
+
 def test_a_trimmed_file_is_rewritten_in_place_by_the_next_save_of_its_layout(comm, shared_tmp):
     config = config_for(comm, shared_tmp)
     rank, home = comm.Get_rank(), node_ckpt_dir(comm, shared_tmp, "re")
@@ -90,9 +97,7 @@ def test_a_file_grown_too_large_or_a_spare_of_another_layout_is_not_reused(comm,
     config = config_for(comm, shared_tmp)
     rank, home = comm.Get_rank(), node_ckpt_dir(comm, shared_tmp, "other")
     with bbio.Checkpointer(comm, "other", keep_bb=1, config=config) as ckpt:
-        for step in (1, 2):
-            ckpt.save(step, state(step, rank)).wait(timeout=60)
-        assert settle(comm, home) == 1
+        save_until_a_spare(comm, ckpt, home)
         if leader(comm):  # as if HDF5 had leaked past the file's allowance in rewrites
             step_2 = home / layout.step_dirname(2) / layout.node_filename(node_of(comm))
             os.truncate(step_2, 8 << 20)
@@ -114,9 +119,7 @@ def test_a_damaged_spare_is_laid_out_anew_and_the_save_succeeds(comm, shared_tmp
     config = config_for(comm, shared_tmp)
     rank, home = comm.Get_rank(), node_ckpt_dir(comm, shared_tmp, "damaged")
     with bbio.Checkpointer(comm, "damaged", keep_bb=1, config=config) as ckpt:
-        for step in (1, 2):
-            ckpt.save(step, state(step, rank)).wait(timeout=60)
-        assert settle(comm, home) == 1
+        save_until_a_spare(comm, ckpt, home)
         if leader(comm):
             (spare,) = home.glob(layout.spare_pattern())
             if node_of(comm) == 0:

@@ -23,9 +23,10 @@ from bbio.errors import IntegrityError
 from bbio.transfer import files
 
 
-def write_node_file(path, step, node, ranks, state):
-    """A node file as the writer lays it out, written with plain h5py."""
-    attrs = file_attrs(step, 1.5, 4, 2, node, ranks, layout.PER_RANK, {}, {"lr": 0.1})
+def write_node_file(path, step, node, ranks, state, when=1.5, user_attrs=None):
+    """A node file (of the save at ``when``) as the writer lays it out, with plain h5py."""
+    user_attrs = {"lr": 0.1} if user_attrs is None else user_attrs
+    attrs = file_attrs(step, when, 4, 2, node, ranks, layout.PER_RANK, {}, user_attrs)
     with h5py.File(path, "w") as f:
         f.attrs.update(attrs)
         crcs = {}
@@ -105,15 +106,15 @@ def _two_node_save(bb_root, step, when):
     for node, ranks in ((0, [0, 1]), (1, [2, 3])):
         step_dir = bb_root / str(node) / layout.step_dirname(step)
         step_dir.mkdir(parents=True, exist_ok=True)
-        attrs = file_attrs(step, when, 4, 2, node, ranks, layout.PER_RANK, {}, {})
-        with h5py.File(step_dir / layout.node_filename(node), "w") as f:
-            f.attrs.update(attrs)
-            crcs = {}
-            for rank in ranks:
-                value = np.full(5, when + rank)
-                f.create_dataset(layout.rank_dataset("w", rank), data=value)
-                crcs[layout.rank_dataset("w", rank)] = _native.crc32c(value.view(np.uint8))
-            f.attrs[layout.CRC_ATTR] = json.dumps(crcs)
+        write_node_file(
+            step_dir / layout.node_filename(node),
+            step,
+            node,
+            ranks,
+            lambda rank: {"w": np.full(5, when + rank)},
+            when,
+            user_attrs={},
+        )
         record = {"size": 0, "crc32c": None, "node": node, "time": when, "complete": True}
         files.write_json_atomic(step_dir / layout.node_record_name(node), record)
         journal = bb_root / str(node) / ".journal"

@@ -11,13 +11,14 @@ one measurement that starts after a barrier:
 
 * ``bbio``: the blocking time of ``Checkpointer.save`` in the steady state of a
   run (each node rewrites in place the file of a checkpoint that retention
-  trimmed, ``ckpt_recycle``: the root and CRC attributes anew, every rank's
-  arrays written into it with their CRC32C, fsync, rename, the drain's journal
-  entry); ``bbio-committed``: from the same start until ``SaveHandle.wait()``
-  returns (the drain processes copied, verified and committed the checkpoint
-  on the PFS).  ``keep_bb`` is 1: the burst buffer holds the last checkpoint
-  and the spare file.  One checkpointer serves the whole run, so its drain
-  processes stay up as they would in training.
+  trimmed, ``ckpt_recycle``: every rank's arrays written into it with their
+  CRC32C, its node leader setting the root and CRC attributes anew, fsync,
+  rename, the drain's journal entry); ``bbio-committed``: from the same start
+  until ``SaveHandle.wait()`` returns (the drain processes copied, verified
+  and committed the checkpoint on the PFS).  ``keep_bb`` is 1: the burst
+  buffer holds the last checkpoint and the spare file.  One checkpointer
+  serves the whole run, so its drain processes stay up as they would in
+  training.
 * ``bbio-fresh``: the same save by a second checkpointer with ``ckpt_recycle``
   off: each node's HDF5 file laid out collectively anew (a run's first saves,
   or every save with recycling off).
