@@ -102,15 +102,18 @@ def copy_range(
     checksum: bool = True,
     buffer_size: int = 2 << 20,
     use_copy_file_range: bool = True,
+    sequential: bool = False,
     src_path: str | os.PathLike | None = None,
     dst_path: str | os.PathLike | None = None,
 ) -> CopyResult:
     """Copy ``length`` bytes (-1: to end of file) between descriptors at explicit offsets.
 
     With ``checksum`` the bytes stream once through an aligned per-thread buffer:
-    pread, CRC32C, pwrite.  Without it, ``copy_file_range`` is used where the
-    kernel supports it.  Stops early at end of file.  The paths only name the
-    files in errors.
+    pread, CRC32C, pwrite; a copy of 8 MiB or more runs on two threads, one per
+    half, unless ``sequential`` asks for one thread writing in file order (for a
+    network or FUSE destination).  Without ``checksum``, ``copy_file_range`` is
+    used where the kernel supports it.  Stops early at end of file.  The paths
+    only name the files in errors.
     """
     native = _lib()
     buf = _scratch(buffer_size)
@@ -119,6 +122,8 @@ def copy_range(
         flags |= native.BBIO_COPY_CRC
     if not use_copy_file_range:
         flags |= native.BBIO_COPY_NO_COPY_FILE_RANGE
+    if sequential:
+        flags |= native.BBIO_COPY_SEQUENTIAL
     copied = ffi.new("int64_t *")
     crc = ffi.new("uint32_t *")
     failed_fd = ffi.new("int *")
@@ -200,13 +205,15 @@ def copy_file(
     checksum: bool = True,
     direct: bool = False,
     buffer_size: int = 2 << 20,
+    sequential: bool = False,
 ) -> CopyResult:
     """Copy the whole file ``src`` into ``dst`` (created or truncated).
 
     A large destination is preallocated to the source's size first (less work
     for the file system, and a full device fails before any byte is copied).
-    ``direct`` opens both with O_DIRECT where the file system allows it.  Does
-    not fsync and does not rename: the transfer layer does that.
+    ``direct`` opens both with O_DIRECT where the file system allows it;
+    ``sequential`` writes in file order from one thread (:func:`copy_range`).
+    Does not fsync and does not rename: the transfer layer does that.
     """
     src_fd = _open(src, os.O_RDONLY, direct, "open for reading")
     try:
@@ -222,6 +229,7 @@ def copy_file(
                 dst_fd,
                 checksum=checksum,
                 buffer_size=buffer_size,
+                sequential=sequential,
                 src_path=src,
                 dst_path=dst,
             )

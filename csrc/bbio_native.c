@@ -379,7 +379,10 @@ static int copy_buffered(int src_fd, int dst_fd, int64_t src_off,
 /* Large copies run on two threads when the process may use two CPUs: each
  * copies one contiguous half (pread, CRC32C, pwrite through its own part of the
  * buffer, so the bytes never move between CPU caches), and the two CRCs are
- * combined.  Small copies, and ranks bound to one core, copy serially. */
+ * combined.  Small copies, ranks bound to one core, and BBIO_COPY_SEQUENTIAL
+ * copy serially: a network or FUSE file system serializes the writes to one
+ * file anyway, and flushes a file written in order faster than one written at
+ * two places at once. */
 #define SPLIT_THREADS 2
 #define SPLIT_MIN_BYTES ((int64_t)8 << 20)
 /* Serial copies move at most this much per pread/pwrite, so the buffer stays in
@@ -501,8 +504,8 @@ int bbio_copy_range(int src_fd, int dst_fd, int64_t src_off, int64_t dst_off,
     int with_crc = flags & BBIO_COPY_CRC;
     int err = -1;
     int64_t total = bytes_to_copy(src_fd, src_off, len);
-    if (total >= SPLIT_MIN_BYTES && buf_size >= SPLIT_THREADS * (size_t)ALIGNMENT &&
-        cpus_available() >= 2)
+    if (!(flags & BBIO_COPY_SEQUENTIAL) && total >= SPLIT_MIN_BYTES &&
+        buf_size >= SPLIT_THREADS * (size_t)ALIGNMENT && cpus_available() >= 2)
         err = copy_split(src_fd, dst_fd, src_off, dst_off, total, buf, buf_size,
                          with_crc, copied, crc, failed_fd);
     if (err < 0)

@@ -20,14 +20,16 @@ uint32_t bbio_crc32c_combine(uint32_t crc1, uint32_t crc2, int64_t len2);
  *     failed_fd: on error, the descriptor whose call failed.
  * With BBIO_COPY_CRC the bytes pass through buf once (pread, CRC, pwrite);
  * copies of 8 MiB or more use two threads, one per half, when the process may
- * run on two CPUs.  Without BBIO_COPY_CRC, copy_file_range is used when the
- * kernel supports it. */
+ * run on two CPUs, unless BBIO_COPY_SEQUENTIAL asks for one thread writing in
+ * file order.  Without BBIO_COPY_CRC, copy_file_range is used when the kernel
+ * supports it. */
 int bbio_copy_range(int src_fd, int dst_fd, int64_t src_off, int64_t dst_off,
                     int64_t len, void *buf, size_t buf_size, int flags,
                     int64_t *copied, uint32_t *crc, int *failed_fd);
 
 #define BBIO_COPY_CRC 1
 #define BBIO_COPY_NO_COPY_FILE_RANGE 2
+#define BBIO_COPY_SEQUENTIAL 4
 
 /* Write len bytes of buf into fd at off (retrying short writes), with their
  * CRC32C computed in the same pass, a chunk at a time while it is in cache.

@@ -65,6 +65,33 @@ def test_global_view_is_built_from_the_node_descriptions_and_read_by_plain_h5py(
     assert not list(tmp_path.glob(".*tmp"))  # no temporary file left
 
 
+def wider_state(rank):
+    return {**state(rank), "weights": np.arange(20, dtype=np.float32).reshape(4, 5) - rank}
+
+
+def test_each_global_view_carries_its_own_save_and_layout(tmp_path):
+    # The views of one layout share their virtual datasets (built once per
+    # process); each must still hold its own save's attributes, and a new
+    # layout its own datasets.
+    saves = [(7, 1.5, 0.1, state), (8, 2.5, 0.2, state), (9, 3.5, 0.3, wider_state)]
+    for step, when, lr, state_of in saves:
+        step_dir = tmp_path / layout.step_dirname(step)
+        step_dir.mkdir()
+        for node, ranks in ((0, [0, 1]), (1, [2, 3])):
+            path = step_dir / layout.node_filename(node)
+            write_node_file(path, step, node, ranks, state_of, when, {"lr": lr})
+        descriptions = [describe_node_file(step_dir / layout.node_filename(n), n) for n in (0, 1)]
+        write_global_view(step_dir / drain.GLOBAL_VIEW, merge_descriptions(descriptions, step_dir))
+    for step, when, lr, state_of in saves:
+        with h5py.File(tmp_path / layout.step_dirname(step) / drain.GLOBAL_VIEW, "r") as f:
+            assert (int(f.attrs["step"]), float(f.attrs["time"])) == (step, when)
+            assert json.loads(f.attrs["user_attrs"]) == {"lr": lr}
+            assert int(f.attrs["ranks"]) == 4
+            for rank in range(4):
+                for key, expected in state_of(rank).items():
+                    np.testing.assert_array_equal(f[layout.rank_dataset(key, rank)][()], expected)
+
+
 def test_node_files_of_different_steps_are_not_committed_together(tmp_path):
     write_node_file(tmp_path / layout.node_filename(0), 7, 0, [0, 1], state)
     write_node_file(tmp_path / layout.node_filename(1), 8, 1, [2, 3], state)

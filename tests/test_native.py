@@ -158,6 +158,26 @@ def test_copy_file_direct_and_buffered(tmp_path, size):
         assert dst.read_bytes() == data
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a one-CPU copy never splits")
+def test_sequential_copy_writes_in_file_order(tmp_path):
+    # Linux's pwrite on an O_APPEND descriptor appends wherever the offset points,
+    # so the destination holds the bytes in the order they were written: a copy
+    # split between two threads would interleave its halves.
+    data = random_bytes((9 << 20) + 3, seed=5)
+    src = write_file(tmp_path / "src", data)
+    dst = tmp_path / "dst"
+    src_fd = os.open(src, os.O_RDONLY)
+    dst_fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        result = _native.copy_range(src_fd, dst_fd, checksum=True, sequential=True)
+    finally:
+        os.close(src_fd)
+        os.close(dst_fd)
+    assert result.nbytes == len(data)
+    assert result.crc32c == crc32c_package.crc32c(data)
+    assert dst.read_bytes() == data
+
+
 def test_copy_file_missing_source_names_path(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(NotFoundError) as info:

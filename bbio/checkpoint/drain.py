@@ -249,17 +249,20 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
             and task.target.exists()
         ):
             return existing
-    with ThreadPoolExecutor(1) as pool:  # the description is read from the BB during the copy
+    Path(task.pfs_step_dir).mkdir(parents=True, exist_ok=True)
+    temp = files.temp_path(task.target)
+    result = _native.copy_file(task.source, temp, checksum=True, sequential=True)
+    # The commit needs the description (then it reads nothing on the PFS).  It is
+    # read from the BB copy during the flush, and after the copy opened the file:
+    # a file saved again meanwhile shows the new save's time, never the old.
+    with ThreadPoolExecutor(1) as pool:
         describing = pool.submit(describe_node_file, task.source, task.node)
-        Path(task.pfs_step_dir).mkdir(parents=True, exist_ok=True)
-        temp = files.temp_path(task.target)
-        result = _native.copy_file(task.source, temp, checksum=True)
-        contents = describing.result()  # the commit needs it: no PFS reads then
-    if task.verify == "device":  # after the fsync, with the cached pages dropped
-        files.commit([files.Commit(task.target, 0o644, time.time_ns())])
-        size, crc = files.checksum_file(task.target, drop_cache=True)
-    else:
-        size, crc = _commit_reading_back(temp, task.target)
+        if task.verify == "device":  # after the fsync, with the cached pages dropped
+            files.commit([files.Commit(task.target, 0o644, time.time_ns())])
+            size, crc = files.checksum_file(task.target, drop_cache=True)
+        else:
+            size, crc = _commit_reading_back(temp, task.target)
+        contents = describing.result()
     if size != result.nbytes or crc != result.crc32c:
         raise IntegrityError(
             f"the copy reads back as {size} bytes, CRC32C {crc:08x}; "

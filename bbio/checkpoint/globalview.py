@@ -10,11 +10,14 @@ drain describes its file from the burst-buffer copy (:func:`describe_node_file`)
 and puts that description in the node's record on the PFS.  The committer
 merges the records (:func:`merge_descriptions`), builds the file in memory and
 writes it with one write (:func:`write_global_view`): no HDF5 reads or small
-writes on the PFS.
+writes on the PFS.  The virtual datasets of a layout are built once per
+process, and each commit adds its save's attributes to a copy.
 """
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 from pathlib import Path
 from typing import Any
@@ -132,14 +135,40 @@ def merge_descriptions(descriptions: list[dict[str, Any]], where: Path) -> dict[
     return meta
 
 
+SAVE_ATTRS = ("step", "time", "user_attrs")  # what differs between saves of one layout
+
+
 def global_view_image(meta: dict[str, Any]) -> bytes:
-    """The bytes of ``global.h5`` for the merged description ``meta``, built in memory."""
+    """The bytes of ``global.h5`` for the merged description ``meta``, built in memory.
+
+    The virtual datasets depend only on the layout, which the saves of a run
+    share: the image without the save's attributes is built once per layout
+    (in a drain, the process that commits) and each commit adds them to a copy.
+    """
     import h5py
 
-    with h5py.File(f"global-view-{id(meta)}.h5", "w", driver="core", backing_store=False) as f:
-        for name in ("step", "time", "ranks", "layout", "bbio"):
-            f.attrs[name] = meta[name]
+    structure = {k: v for k, v in meta.items() if k not in SAVE_ATTRS}
+    structure["datasets"] = [
+        {k: v for k, v in d.items() if k != "crc32c"} for d in meta["datasets"]
+    ]
+    image = io.BytesIO(_layout_image(json.dumps(structure, sort_keys=True)))
+    with h5py.File(image, "r+") as f:
+        f.attrs["step"] = meta["step"]
+        f.attrs["time"] = meta["time"]
         f.attrs["user_attrs"] = json.dumps(meta["user_attrs"])
+    return image.getvalue()
+
+
+@functools.lru_cache(maxsize=2)
+def _layout_image(structure: str) -> bytes:
+    """The image of ``global.h5`` for a layout (:func:`global_view_image`'s ``structure``,
+    JSON), without the save's attributes."""
+    import h5py
+
+    meta = json.loads(structure)
+    with h5py.File(f"global-view-{id(meta)}.h5", "w", driver="core", backing_store=False) as f:
+        for name in ("ranks", "layout", "bbio"):
+            f.attrs[name] = meta[name]
         if meta["layout"] == layout.GLOBAL:
             _map_global_arrays(f, meta)
         else:
