@@ -41,7 +41,7 @@ def write_node_file(path, step, node, ranks, state, when=1.5, user_attrs=None):
 def state(rank):
     return {
         "weights": np.arange(12, dtype=np.float32).reshape(3, 4) + rank,
-        "step": np.int64(100 + rank),  # a scalar: copied into the view, not mapped
+        "step": np.int64(100 + rank),  # a scalar: mapped like any array
         "empty": np.zeros((0, 3), dtype=np.float64),
     }
 
@@ -188,6 +188,21 @@ def test_a_step_saved_again_while_draining_is_never_committed_from_mixed_saves(t
     assert drain.read_manifest(pfs_step) is None
     assert drain.run(j1, None, finish=True, timeout=60) == 0  # node 1's new task
     assert drain.read_manifest(pfs_step)["time"] == 2.5
+
+
+def test_a_copy_of_a_file_saved_again_meanwhile_never_replaces_the_pfs_file(tmp_path):
+    j0, _ = _two_node_save(tmp_path / "bb", 7, 1.5)
+    task = drain.pending(j0)[0]
+    # saved again after the drain took the task: the new file is in place on the
+    # BB (its record not yet), and already on the PFS (written there directly)
+    new_save = task.source.parent / "new.h5"
+    write_node_file(new_save, 7, 0, [0, 1], lambda rank: {"w": np.full(5, 9.0)}, 2.5, {})
+    new_save.replace(task.source)
+    task.target.parent.mkdir(parents=True)
+    task.target.write_bytes(b"the new save's file")
+    assert drain.copy_node_file(task) is None
+    assert task.target.read_bytes() == b"the new save's file"
+    assert not (task.target.parent / layout.node_record_name(0)).exists()
 
 
 def test_a_manifest_of_an_older_save_is_replaced(tmp_path):

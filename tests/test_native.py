@@ -169,7 +169,10 @@ def test_sequential_copy_writes_in_file_order(tmp_path):
     src_fd = os.open(src, os.O_RDONLY)
     dst_fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
-        result = _native.copy_range(src_fd, dst_fd, checksum=True, sequential=True)
+        # a small buffer: many writes per half, so two threads would interleave
+        result = _native.copy_range(
+            src_fd, dst_fd, checksum=True, buffer_size=8192, sequential=True
+        )
     finally:
         os.close(src_fd)
         os.close(dst_fd)

@@ -15,10 +15,11 @@ dies.  A task is removed only once its file is on the PFS, verified, recorded,
 and the checkpoint committed if this node was the last, so replaying the
 journal after a crash is idempotent.
 
-For each task: copy ``node-N.h5`` (native copy, CRC32C in the same pass) to
-the PFS under a temporary name, fsync, rename; read it back and compare
-(``ckpt_verify``: through the client cache, during the fsync; or from the
-device, after it, cached pages dropped); write the node's record on the PFS
+For each task: copy ``node-N.h5`` (native copy, CRC32C in the same pass, in
+file order) to the PFS under a temporary name, fsync it and read it back and
+compare (``ckpt_verify``: through the client cache, during the fsync; or from
+the device, after it, cached pages dropped); rename it only if the node file
+was not saved again meanwhile; write the node's record on the PFS
 (size, CRC32C, and what the file holds, read from the BB copy) and on the BB;
 then, if every node's record is there, take the commit lock, write
 ``global.h5`` (virtual datasets over the node files, built in memory from the
@@ -257,41 +258,44 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
     # a file saved again meanwhile shows the new save's time, never the old.
     with ThreadPoolExecutor(1) as pool:
         describing = pool.submit(describe_node_file, task.source, task.node)
-        if task.verify == "device":  # after the fsync, with the cached pages dropped
-            files.commit([files.Commit(task.target, 0o644, time.time_ns())])
-            size, crc = files.checksum_file(task.target, drop_cache=True)
-        else:
-            size, crc = _commit_reading_back(temp, task.target)
+        size, crc = _seal_reading_back(temp, task)
         contents = describing.result()
     if size != result.nbytes or crc != result.crc32c:
         raise IntegrityError(
             f"the copy reads back as {size} bytes, CRC32C {crc:08x}; "
             f"{result.nbytes} bytes, {result.crc32c:08x} were written",
-            path=task.target,
+            path=temp,
             hint="the PFS may be failing; the drain will copy it again",
         )
     if not task.is_save_of(contents) or not task.is_save_of(files.read_json(bb_record_path)):
-        return None  # saved again during the copy
+        return None  # saved again during the copy: never renamed over the new save's file
+    files.commit([], sealed=[task.target])
     record = {"size": size, "crc32c": crc, "node": task.node, "time": contents["time"]}
     files.write_json_atomic(record_path, {**record, "contents": contents})
     files.write_json_atomic(bb_record_path, {**bb_record, **record, "complete": True})
     return record
 
 
-def _commit_reading_back(temp: Path, final: Path) -> tuple[int, int]:
-    """Commit ``temp`` as ``final`` while reading it back through the client cache.
+def _seal_reading_back(temp: Path, task: Task) -> tuple[int, int]:
+    """Make the temporary copy ``temp`` durable (mode, mtime, fsync) and read it back:
+    its (size, CRC32C).
 
-    The read-back runs in a thread during the fsync (both release the GIL), so
-    it costs no time when the flush is the slower.  Returns its (size, CRC32C).
+    ``ckpt_verify`` "cache": through the client cache, in a thread during the
+    fsync (both release the GIL), so it costs no time when the flush is the
+    slower; "device": after the fsync, with the cached pages dropped.
     """
+    sealing = files.Commit(task.target, 0o644, time.time_ns())
+    if task.verify == "device":
+        files.seal([sealing])
+        return files.checksum_file(temp, drop_cache=True)
     try:
-        fd = os.open(temp, os.O_RDONLY)  # before the rename: the descriptor follows it
+        fd = os.open(temp, os.O_RDONLY)
     except OSError as exc:
         raise from_oserror(exc, "open for verification", temp) from None
     try:
         with ThreadPoolExecutor(1) as pool:
-            reading = pool.submit(files.checksum_fd, fd, final)
-            files.commit([files.Commit(final, 0o644, time.time_ns())])
+            reading = pool.submit(files.checksum_fd, fd, temp)
+            files.seal([sealing])
             return reading.result()
     finally:
         os.close(fd)

@@ -16,7 +16,7 @@ process, and each commit adds its save's attributes to a copy.
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import io
 import json
 from pathlib import Path
@@ -33,8 +33,8 @@ from bbio.transfer import files
 def describe_node_file(path: Path, node: int) -> dict[str, Any]:
     """Not collective: the root attributes and every rank's datasets of one node file.
 
-    Datasets holding no mapped element (scalars, empty arrays) carry their
-    bytes (hex), so the view can hold a copy of them.
+    Empty datasets (a zero in their shape) carry their bytes (hex, none): the
+    view holds a copy of them, not a mapping.
     """
     import h5py
 
@@ -136,6 +136,7 @@ def merge_descriptions(descriptions: list[dict[str, Any]], where: Path) -> dict[
 
 
 SAVE_ATTRS = ("step", "time", "user_attrs")  # what differs between saves of one layout
+_layout_images: dict[str, bytes] = {}  # the last layout's image, by the digest of its layout
 
 
 def global_view_image(meta: dict[str, Any]) -> bytes:
@@ -151,7 +152,11 @@ def global_view_image(meta: dict[str, Any]) -> bytes:
     structure["datasets"] = [
         {k: v for k, v in d.items() if k != "crc32c"} for d in meta["datasets"]
     ]
-    image = io.BytesIO(_layout_image(json.dumps(structure, sort_keys=True)))
+    digest = hashlib.sha256(json.dumps(structure, sort_keys=True).encode()).hexdigest()
+    if digest not in _layout_images:
+        _layout_images.clear()
+        _layout_images[digest] = _layout_image(structure)
+    image = io.BytesIO(_layout_images[digest])
     with h5py.File(image, "r+") as f:
         f.attrs["step"] = meta["step"]
         f.attrs["time"] = meta["time"]
@@ -159,20 +164,19 @@ def global_view_image(meta: dict[str, Any]) -> bytes:
     return image.getvalue()
 
 
-@functools.lru_cache(maxsize=2)
-def _layout_image(structure: str) -> bytes:
-    """The image of ``global.h5`` for a layout (:func:`global_view_image`'s ``structure``,
-    JSON), without the save's attributes."""
+def _layout_image(structure: dict[str, Any]) -> bytes:
+    """The image of ``global.h5`` for a layout (:func:`global_view_image`'s ``structure``),
+    without the save's attributes."""
     import h5py
 
-    meta = json.loads(structure)
-    with h5py.File(f"global-view-{id(meta)}.h5", "w", driver="core", backing_store=False) as f:
-        for name in ("ranks", "layout", "bbio"):
-            f.attrs[name] = meta[name]
-        if meta["layout"] == layout.GLOBAL:
-            _map_global_arrays(f, meta)
+    name = f"global-view-{id(structure)}.h5"
+    with h5py.File(name, "w", driver="core", backing_store=False) as f:
+        for attr in ("ranks", "layout", "bbio"):
+            f.attrs[attr] = structure[attr]
+        if structure["layout"] == layout.GLOBAL:
+            _map_global_arrays(f, structure)
         else:
-            _map_rank_arrays(f, meta)
+            _map_rank_arrays(f, structure)
         f.flush()
         return f.id.get_file_image()
 
@@ -203,7 +207,7 @@ def _map_rank_arrays(f, meta: dict[str, Any]) -> None:
     for d in meta["datasets"]:
         name = layout.rank_dataset(d["key"], d["rank"])
         shape = tuple(d["shape"])
-        if not all(shape):  # scalars and empty arrays: copied, not mapped
+        if not all(shape):  # empty arrays: copied, not mapped
             value = np.frombuffer(bytes.fromhex(d["value"]), dtype=d["dtype"]).reshape(shape)
             f.create_dataset(name, data=value)
             continue

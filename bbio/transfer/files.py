@@ -138,6 +138,16 @@ class Commit:
     mtime_ns: int
 
 
+def seal(items: Sequence[Commit]) -> None:
+    """Give finished temporary files their mode and mtime and fsync them (concurrently),
+    without renaming them: :func:`commit` with ``sealed`` renames them later."""
+    if len(items) > 1:
+        with ThreadPoolExecutor(min(FSYNC_THREADS, len(items))) as pool:
+            list(pool.map(_seal, items))
+    elif items:
+        _seal(items[0])
+
+
 def _seal(item: Commit) -> None:
     temp = temp_path(item.final)
     try:
@@ -160,11 +170,7 @@ def commit(items: Sequence[Commit], sealed: Sequence[str | Path] = ()) -> None:
     concurrently; the renames follow only once every file is durable, and the
     parent directories are fsynced last.
     """
-    if len(items) > 1:
-        with ThreadPoolExecutor(min(FSYNC_THREADS, len(items))) as pool:
-            list(pool.map(_seal, items))
-    elif items:
-        _seal(items[0])
+    seal(items)
     finals = [os.fspath(item.final) for item in items] + [os.fspath(f) for f in sealed]
     for final in finals:
         try:
