@@ -139,8 +139,8 @@ class Commit:
 
 
 def seal(items: Sequence[Commit]) -> None:
-    """Give finished temporary files their mode and mtime and fsync them (concurrently),
-    without renaming them: :func:`commit` with ``sealed`` renames them later."""
+    """Not collective: give finished temporary files their mode and mtime and fsync them
+    (concurrently), without renaming them; :func:`commit` with ``sealed`` renames them."""
     if len(items) > 1:
         with ThreadPoolExecutor(min(FSYNC_THREADS, len(items))) as pool:
             list(pool.map(_seal, items))
@@ -166,7 +166,7 @@ def commit(items: Sequence[Commit], sealed: Sequence[str | Path] = ()) -> None:
     """Commit finished temporary files: mode, mtime and fsync each, then rename them all.
 
     ``sealed`` are finals whose temporary files already have their mode and
-    mtime and were fsynced (by the native batched copy).  The fsyncs run
+    mtime and were fsynced (by the native batched copy, or :func:`seal`).  The fsyncs run
     concurrently; the renames follow only once every file is durable, and the
     parent directories are fsynced last.
     """
