@@ -127,11 +127,14 @@ def test_a_waiting_rank_learns_the_commit_from_its_node_journal(tmp_path):
     assert drain.step_committed(journal, 5) is None  # a restarted drain never saw it
 
 
-def _two_node_save(bb_root, step, when):
-    """Both nodes' files of one save in their burst buffers, recorded and queued."""
+def two_node_save(bb_root, step, when, pfs_root=None):
+    """Both nodes' files of one save of checkpointer "run" in their burst buffers
+    (``bb_root``/NODE), recorded and queued for ``pfs_root`` (default: ``pfs`` beside
+    ``bb_root``); returns the nodes' journals."""
     journals = []
     for node, ranks in ((0, [0, 1]), (1, [2, 3])):
-        step_dir = bb_root / str(node) / layout.step_dirname(step)
+        ckpt_dir = bb_root / str(node) / layout.CKPT_DIR / "run"
+        step_dir = ckpt_dir / layout.step_dirname(step)
         step_dir.mkdir(parents=True, exist_ok=True)
         write_node_file(
             step_dir / layout.node_filename(node),
@@ -144,9 +147,9 @@ def _two_node_save(bb_root, step, when):
         )
         record = {"size": 0, "crc32c": None, "node": node, "time": when, "complete": True}
         files.write_json_atomic(step_dir / layout.node_record_name(node), record)
-        journal = bb_root / str(node) / ".journal"
+        journal = drain.journal_dir(ckpt_dir)
         journal.mkdir(exist_ok=True)
-        pfs_step = bb_root.parent / "pfs" / layout.step_dirname(step)
+        pfs_step = (pfs_root or bb_root.parent / "pfs") / layout.step_dirname(step)
         task = drain.Task("run", step, node, 2, str(step_dir), str(pfs_step), 5, 2, "cache", when)
         drain.add_task(journal, task)
         journals.append(journal)
@@ -154,7 +157,7 @@ def _two_node_save(bb_root, step, when):
 
 
 def test_drains_commit_one_save_and_report_it_to_waiting_ranks(tmp_path):
-    j0, j1 = _two_node_save(tmp_path / "bb", 7, 1.5)
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
     pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
     assert drain.run(j0, None, finish=True, timeout=60) == 0  # node 1 not drained yet
     assert drain.read_manifest(pfs_step) is None
@@ -169,9 +172,9 @@ def test_drains_commit_one_save_and_report_it_to_waiting_ranks(tmp_path):
 
 
 def test_a_step_saved_again_while_draining_is_never_committed_from_mixed_saves(tmp_path):
-    j0, j1 = _two_node_save(tmp_path / "bb", 7, 1.5)
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
     old_task = drain.pending(j0)[0]
-    _two_node_save(tmp_path / "bb", 7, 2.5)  # saved again before the drain took the old task
+    two_node_save(tmp_path / "bb", 7, 2.5)  # saved again before the drain took the old task
     commits = drain._Commits(j0)
     assert drain._process(j0, old_task, commits) is False  # stale: left to the new task
     assert drain.pending(j0)[0].save_time == 2.5
@@ -191,7 +194,7 @@ def test_a_step_saved_again_while_draining_is_never_committed_from_mixed_saves(t
 
 
 def test_a_copy_of_a_file_saved_again_meanwhile_never_replaces_the_pfs_file(tmp_path):
-    j0, _ = _two_node_save(tmp_path / "bb", 7, 1.5)
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
     task = drain.pending(j0)[0]
     # saved again after the drain took the task: the new file is in place on the
     # BB (its record not yet), and already on the PFS (written there directly)
@@ -206,12 +209,12 @@ def test_a_copy_of_a_file_saved_again_meanwhile_never_replaces_the_pfs_file(tmp_
 
 
 def test_a_manifest_of_an_older_save_is_replaced(tmp_path):
-    j0, j1 = _two_node_save(tmp_path / "bb", 7, 1.5)
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
     pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
     for journal in (j0, j1):
         drain.run(journal, None, finish=True, timeout=60)
     stale = drain.read_manifest(pfs_step)
-    j0, j1 = _two_node_save(tmp_path / "bb", 7, 2.5)
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 2.5)
     for journal in (j0, j1):
         drain.run(journal, None, finish=True, timeout=60)
     files.write_json_atomic(drain.manifest_path(pfs_step), stale)  # a late old committer
@@ -220,7 +223,7 @@ def test_a_manifest_of_an_older_save_is_replaced(tmp_path):
 
 
 def test_a_commit_lock_just_created_by_another_node_is_waited_for_not_an_error(tmp_path):
-    j0, j1 = _two_node_save(tmp_path / "bb", 7, 1.5)
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
     pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
     assert drain.run(j0, None, finish=True, timeout=60) == 0
     (pfs_step / drain.COMMIT_LOCK).touch()  # created, its owner not yet written into it

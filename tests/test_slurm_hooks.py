@@ -3,57 +3,92 @@
 from __future__ import annotations
 
 import os
+import pwd
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from bbio.checkpoint import drain
+from bbio import slurm
+from bbio.checkpoint import drain, layout
+from bbio.config import Config
+from bbio.errors import ConfigError
 from tests.conftest import run_python
+from tests.test_ckpt_drain import two_node_save
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the prolog runs as root (chown)")
+NOBODY = pwd.getpwnam("nobody")
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="the hooks run as root (chown, setuid)")
+JOB = slurm.Job("4242", "nobody", NOBODY.pw_uid, NOBODY.pw_gid)
 
 
-def hook_env(tmp_path: Path) -> dict:
+@pytest.fixture
+def site():
+    """A node as a site sets it up: ``local/`` (the burst buffers' root, root's, 0755)
+    and ``pfs/`` (the user's PFS directory), in a directory the user can traverse
+    (pytest's temporary directories are root's alone)."""
+    base = Path(tempfile.mkdtemp(prefix="bbio-hooks-", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        (base / "local").mkdir(mode=0o755)
+        (base / "pfs").mkdir()
+        os.chown(base / "pfs", NOBODY.pw_uid, NOBODY.pw_gid)
+        yield base
+    finally:
+        shutil.rmtree(base)
+
+
+def hook_env(site: Path) -> dict:
     return {
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_USER": "nobody",
-        "SLURM_JOB_UID": "65534",
-        "SLURM_JOB_GID": "65534",
-        "BBIO_BB_ROOT": str(tmp_path / "local" / "bbio-{job}"),
-        "BBIO_PFS_ROOT": str(tmp_path / "pfs"),
+        "SLURM_JOB_ID": JOB.id,
+        "SLURM_JOB_USER": JOB.user,
+        "SLURM_JOB_UID": str(JOB.uid),
+        "SLURM_JOB_GID": str(JOB.gid),
+        "BBIO_BB_ROOT": str(site / "local" / "{user}" / "bbio-{job}" / "{node}"),
+        "BBIO_PFS_ROOT": str(site / "pfs"),
+        "BBIO_JOB_ID": "not-the-slurm-job",  # the hooks use Slurm's job id regardless
     }
 
 
-def test_prolog_creates_the_job_directory_for_the_user_and_epilog_removes_it(tmp_path):
-    env = hook_env(tmp_path)
+def chown_tree(path: Path, uid: int, gid: int) -> None:
+    """What the job's ranks write is the user's."""
+    for directory, subdirectories, names in os.walk(path):
+        for name in [directory, *(os.path.join(directory, n) for n in subdirectories + names)]:
+            os.chown(name, uid, gid)
+
+
+@as_root
+def test_the_epilog_drains_as_the_user_and_removes_the_job_directory_as_root(site):
+    env = hook_env(site)
     created = run_python("-m", "bbio", "slurm", "prolog", env=env)
     assert created.returncode == 0, created.stderr
-    job_dir = tmp_path / "local" / "bbio-4242"
+    job_dir = site / "local" / "nobody" / "bbio-4242"  # {user}: the job's, not root
     st = job_dir.stat()
-    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (65534, 65534, 0o700)
-    (job_dir / "some-output").write_bytes(b"x")
-    removed = run_python("-m", "bbio", "slurm", "epilog", "--timeout", "10", env=env)
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (JOB.uid, JOB.gid, 0o700)
+    assert job_dir.parent.stat().st_uid == 0  # the user cannot remove the job directory
+    journals = two_node_save(job_dir, 7, 1.5, pfs_root=site / "pfs")  # the job's 2 nodes here
+    chown_tree(job_dir, JOB.uid, JOB.gid)
+    removed = run_python("-m", "bbio", "slurm", "epilog", "--timeout", "60", env=env)
     assert removed.returncode == 0, removed.stderr
-    assert not job_dir.exists()
+    assert not job_dir.exists() and job_dir.parent.is_dir()
+    pfs_step = site / "pfs" / layout.step_dirname(7)
+    assert drain.read_manifest(pfs_step)["time"] == 1.5  # both nodes' files, committed
+    for node in (0, 1):
+        assert (pfs_step / layout.node_filename(node)).stat().st_uid == JOB.uid
+    assert len(journals) == 2
 
 
-def test_epilog_keeps_what_it_cannot_drain_and_fails(tmp_path):
-    env = hook_env(tmp_path)
-    job_dir = tmp_path / "local" / "bbio-4242"
-    journal = drain.journal_dir(job_dir / "ckpt" / "run")
+@as_root
+def test_epilog_keeps_what_it_cannot_drain_and_fails(site):
+    env = hook_env(site)
+    assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
+    job_dir = site / "local" / "nobody" / "bbio-4242"
+    journal = drain.journal_dir(job_dir / "0" / layout.CKPT_DIR / "run")
     journal.mkdir(parents=True)
-    drain.add_task(
-        journal,
-        drain.Task(
-            "run",
-            5,
-            0,
-            1,
-            str(job_dir / "ckpt/run/step-00000005"),
-            str(tmp_path / "pfs/ckpt/run/step-00000005"),
-            3,
-        ),
-    )  # its node file is missing: the copy cannot succeed
+    step = layout.step_dirname(5)
+    task = drain.Task("run", 5, 0, 1, str(journal.parent / step), str(site / "pfs" / step), 3)
+    drain.add_task(journal, task)  # its node file is missing: the copy cannot succeed
+    chown_tree(job_dir, JOB.uid, JOB.gid)
     result = run_python("-m", "bbio", "slurm", "epilog", "--timeout", "2", env=env)
     assert result.returncode == 1
     assert "could not drain" in result.stderr and "is kept" in result.stderr
@@ -65,3 +100,24 @@ def test_hooks_outside_slurm_say_so():
     result = run_python("-m", "bbio", "slurm", "prolog", env={"SLURM_JOB_ID": ""})
     assert result.returncode == 1
     assert "not run by Slurm" in result.stderr
+
+
+def test_the_job_directory_is_bb_root_up_to_the_job_and_nodes_are_found_below(tmp_path):
+    config = slurm.job_config(Config(bb_root=str(tmp_path / "{job}" / "n{node}")), JOB)
+    assert slurm.job_dir(config) == tmp_path / "4242"
+    for name in ("n0", "n3", "other"):
+        (tmp_path / "4242" / name).mkdir(parents=True)
+    assert slurm.node_dirs(config) == [tmp_path / "4242" / "n0", tmp_path / "4242" / "n3"]
+    plain = slurm.job_config(Config(bb_root=str(tmp_path / "bbio-{job}")), JOB)
+    assert slurm.node_dirs(plain) == []  # the prolog has not run
+    (tmp_path / "bbio-4242").mkdir()
+    assert slurm.node_dirs(plain) == [tmp_path / "bbio-4242"]
+
+
+@pytest.mark.parametrize(
+    ("bb_root", "says"),
+    [("/tmp/bbio-{user}/bb/{node}", "has no {job}"), ("/local/{node}-{job}", "beside {job}")],
+)
+def test_a_bb_root_the_hooks_cannot_manage_per_job_is_refused(bb_root, says):
+    with pytest.raises(ConfigError, match=says):
+        slurm.job_dir(slurm.job_config(Config(bb_root=bb_root), JOB))
