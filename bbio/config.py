@@ -53,9 +53,16 @@ class Config:
     job_id: str = _setting(
         "local", "Job identifier; defaults to SLURM_JOB_ID when that is set, else 'local'."
     )
+    user: str | None = _setting(
+        None,
+        "User name for {user}; defaults to SLURM_JOB_USER when that is set (the job's user, "
+        "also in a prolog or epilog running as root), else the login name.",
+    )
     copy_buffer_size: int = _setting(
         2 << 20,
-        "Bytes of buffer per copy; large copies pipeline it in 4 slots (read | CRC32C+write).",
+        "Bytes of scratch buffer per copy; each copying thread reads and writes at most 256 KiB "
+        "at a time.  Copies of 8 MiB or more run on two threads, one per half (the drain's copy "
+        "to the PFS: one thread, in file order).",
     )
     io_threads: int = _setting(
         8, "Collective reads: requests the native batched reader keeps in flight per process."
@@ -181,12 +188,13 @@ class Config:
         if not self.pfs_root:
             raise ConfigError(
                 "no PFS root is configured",
-                hint="set BBIO_PFS_ROOT, pfs_root in the config file, or pass pfs_root=",
+                hint="set BBIO_PFS_ROOT or pfs_root in the config file (bbio ckpt commands "
+                "also take --pfs-root; in Python, pfs_root=)",
             )
         return self.expand(self.pfs_root)
 
     def _expand(self, template: str, node: int | None) -> str:
-        text = template.replace("{job}", self.job_id).replace("{user}", _user_name())
+        text = template.replace("{job}", self.job_id).replace("{user}", self.user or _user_name())
         if node is not None:
             text = text.replace("{node}", str(node))
         return os.path.expanduser(text)
@@ -208,9 +216,8 @@ def _convert(name: str, raw: Any, source: str) -> Any:
     if raw is None or (isinstance(raw, str) and raw == "" and "None" in kind):
         return None
     if kind.startswith("int"):
-        try:
-            value = int(raw)
-        except (TypeError, ValueError):
+        value = _integer(raw)
+        if value is None:
             raise ConfigError(
                 f"{source}: {name} must be an integer, got {raw!r}",
                 hint=f"fix {name} in {source}",
@@ -221,10 +228,25 @@ def _convert(name: str, raw: Any, source: str) -> Any:
         return value
     if not isinstance(raw, str):
         raise ConfigError(f"{source}: {name} must be a string, got {raw!r}")
+    if raw == "":
+        raise ConfigError(
+            f"{source}: {name} must not be empty",
+            hint=f"give {name} a value in {source}, or remove it there to get the default",
+        )
     choices = SETTINGS[name].metadata["choices"]
     if choices and raw not in choices:
         raise ConfigError(f"{source}: {name} must be one of {', '.join(choices)}, got {raw!r}")
     return raw
+
+
+def _integer(raw: Any) -> int | None:
+    """``raw`` as an int if it is one or a string of one; None for anything else (bool, float)."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        return None
 
 
 def _file_layer(config_file: str | os.PathLike | None, env: Mapping[str, str]) -> dict:
@@ -238,7 +260,9 @@ def _file_layer(config_file: str | os.PathLike | None, env: Mapping[str, str]) -
             data = tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(
-            "the config file does not exist", path=path, hint="fix BBIO_CONFIG or config_file="
+            "the config file does not exist",
+            path=path,
+            hint="fix the path in BBIO_CONFIG or bbio --config (in Python, config_file=)",
         ) from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"the config file is not valid TOML: {exc}", path=path) from None
@@ -255,6 +279,8 @@ def _env_layer(env: Mapping[str, str]) -> dict:
     values = {}
     if env.get("SLURM_JOB_ID"):
         values["job_id"] = env["SLURM_JOB_ID"]
+    if env.get("SLURM_JOB_USER"):
+        values["user"] = env["SLURM_JOB_USER"]
     for name in SETTINGS:
         key = ENV_PREFIX + name.upper()
         if key in env:

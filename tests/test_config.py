@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ def test_defaults_without_file_or_environment(monkeypatch):
     assert config == Config()
     assert config.job_id == "local"
     assert config.ranks_per_node is None
-    with pytest.raises(ConfigError, match="BBIO_PFS_ROOT"):
+    with pytest.raises(ConfigError, match=r"BBIO_PFS_ROOT.*--pfs-root.*pfs_root="):
         config.pfs_dir()
 
 
@@ -58,12 +59,43 @@ def test_virtual_nodes_on_one_machine_need_their_own_directories():
     [
         ({"BBIO_RANKS_PER_NODE": "two"}, "BBIO_RANKS_PER_NODE.*must be an integer"),
         ({"BBIO_RANKS_PER_NODE": "0"}, "at least 1"),
-        ({"BBIO_CONFIG": "/nonexistent/file.toml"}, "does not exist"),
+        ({"BBIO_CONFIG": "/nonexistent/file.toml"}, r"does not exist.*bbio --config"),
+        ({"BBIO_JOB_ID": "", "SLURM_JOB_ID": "4242"}, "BBIO_JOB_ID: job_id must not be empty"),
+        ({"BBIO_BB_ROOT": ""}, "BBIO_BB_ROOT: bb_root must not be empty"),
     ],
 )
 def test_bad_values_name_their_source(env, message):
     with pytest.raises(ConfigError, match=message):
         load_config(env=env)
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("ranks_per_node = true", "ranks_per_node must be an integer, got True"),
+        ("copy_buffer_size = 2.9", "copy_buffer_size must be an integer, got 2.9"),
+        ('job_id = ""', "job_id must not be empty"),
+    ],
+)
+def test_bad_values_in_the_file_name_it(tmp_path, line, message):
+    toml = tmp_path / "bbio.toml"
+    toml.write_text(line + "\n")
+    with pytest.raises(ConfigError, match=re.escape(f"config file {toml}: {message}")):
+        load_config(config_file=toml, env={})
+
+
+def test_empty_optional_strings_mean_unset():
+    config = load_config(env={"BBIO_PFS_ROOT": "", "BBIO_USER": ""})
+    assert config.pfs_root is None
+    assert config.user is None
+
+
+def test_user_comes_from_bbio_user_else_slurm_job_user_else_the_login_name(monkeypatch):
+    monkeypatch.setattr("getpass.getuser", lambda: "login-name")
+    assert load_config(env={}).expand("/bb/{user}") == Path("/bb/login-name")
+    slurm = {"SLURM_JOB_USER": "alice"}
+    assert load_config(env=slurm).expand("/bb/{user}") == Path("/bb/alice")
+    assert load_config(env={**slurm, "BBIO_USER": "bob"}).expand("/bb/{user}") == Path("/bb/bob")
 
 
 def test_unknown_and_malformed_file(tmp_path):
