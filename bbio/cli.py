@@ -10,11 +10,28 @@ import os
 import sys
 from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import TYPE_CHECKING
 
 from bbio._version import __version__
 from bbio.config import load_config
 from bbio.errors import BBIOError
 from bbio.report import format_bytes, format_table
+
+if TYPE_CHECKING:
+    from bbio.info import RootInfo
+
+
+def _root_rows(setting: str, label: str, path_label: str, root: RootInfo) -> list[tuple[str, str]]:
+    """The two ``bbio info`` rows of the root ``setting``: "not set" when it is unset."""
+    if root.path is None:
+        return [
+            (label, f"not set (set BBIO_{setting.upper()} or {setting} in the config file)"),
+            (path_label, "not set"),
+        ]
+    return [
+        (label, root.template),
+        (path_label, f"{root.path}  ({format_bytes(root.free_bytes)} free)"),
+    ]
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -33,10 +50,8 @@ def _cmd_info(args: argparse.Namespace) -> int:
             "loaded" if info.native_loaded else f"NOT loaded: {info.native_error}",
         ),
         ("CRC32C", "hardware (SSE4.2)" if info.crc32c_hardware else "software tables"),
-        ("BB root", info.bb.template),
-        ("BB node 0", f"{info.bb.path}  ({format_bytes(info.bb.free_bytes)} free)"),
-        ("PFS root", info.pfs.template),
-        ("PFS path", f"{info.pfs.path}  ({format_bytes(info.pfs.free_bytes)} free)"),
+        *_root_rows("bb_root", "BB root", "BB node 0", info.bb),
+        *_root_rows("pfs_root", "PFS root", "PFS path", info.pfs),
         ("ranks per node", info.ranks_per_node or "real hosts"),
         ("job id", info.job_id),
     ]
@@ -199,10 +214,21 @@ def _cmd_ckpt_verify(args: argparse.Namespace) -> int:
 def _cmd_ckpt_drain(args: argparse.Namespace) -> int:
     from bbio.checkpoint import admin
 
-    failed = admin.finish(_bb_root(args), args.timeout)
-    for journal in failed:
+    drained = admin.finish(_bb_root(args), args.timeout)
+    for journal in drained.failed:
         print(f"bbio: error: could not finish draining {journal}", file=sys.stderr)
-    return 1 if failed else 0
+    if drained.failed:
+        return 1
+    busy = {name: tasks for name, tasks in drained.queued.items() if tasks}
+    if busy:
+        steps = ", ".join(f"{name}: {tasks}" for name, tasks in busy.items())
+        print(f"drained the queued checkpoint step(s) in {drained.bb_root} to the PFS ({steps})")
+    else:
+        print(
+            f"nothing to drain in {drained.bb_root}: no checkpoint step queued "
+            f"({len(drained.queued)} checkpointer journal(s))"
+        )
+    return 0
 
 
 def _cmd_ckpt_wait(args: argparse.Namespace) -> int:
@@ -222,12 +248,13 @@ def _cmd_ckpt_wait(args: argparse.Namespace) -> int:
 def _cmd_slurm(args: argparse.Namespace) -> int:
     from bbio import slurm
 
+    job = slurm.Job.from_env(os.environ)
     config = load_config(args.config)
     if args.slurm_command == "prolog":
-        path = slurm.prolog(config, slurm.Job.from_env(os.environ))
+        path = slurm.prolog(config, job)
         print(f"bbio prolog: burst buffer {path} ready")
         return 0
-    path, failed = slurm.epilog(config, args.timeout)
+    path, failed = slurm.epilog(config, job, args.timeout)
     for journal in failed:
         print(f"bbio epilog: could not drain {journal}; {path} is kept", file=sys.stderr)
     return 1 if failed else 0
@@ -309,7 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         sub = ckpt_commands.add_parser(action, help=help_text, description=help_text)
         sub.add_argument("--bb-root", help="this node's burst buffer (default: configured)")
-        sub.add_argument("--pfs-root", help="the PFS root (default: configured)")
+        if action != "drain":  # a drain goes where each journal's target.json says
+            sub.add_argument("--pfs-root", help="the PFS root (default: configured)")
         sub.add_argument(
             "--node", type=int, help="virtual node index to expand {node} with (default 0)"
         )

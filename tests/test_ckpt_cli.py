@@ -60,18 +60,10 @@ def job(tmp_path) -> Path:
 
 
 def bbio_ckpt(tmp_path: Path, *args: str, node: int = 0):
-    return run_python(
-        "-m",
-        "bbio",
-        "ckpt",
-        *args,
-        "--bb-root",
-        str(tmp_path / "bb" / "{node}"),
-        "--pfs-root",
-        str(tmp_path / "pfs"),
-        "--node",
-        str(node),
-    )
+    # drain takes no --pfs-root: it drains where each journal's target.json says
+    pfs = [] if args[0] == "drain" else ["--pfs-root", str(tmp_path / "pfs")]
+    bb = ["--bb-root", str(tmp_path / "bb" / "{node}"), "--node", str(node)]
+    return run_python("-m", "bbio", "ckpt", *args, *bb, *pfs)
 
 
 def test_ls_verify_wait_from_a_shell(tmp_path, job):
@@ -99,6 +91,61 @@ def test_ls_verify_wait_from_a_shell(tmp_path, job):
     broken = bbio_ckpt(tmp_path, "verify", "run")
     assert broken.returncode == 1
     assert str(node_file) in broken.stderr and "Traceback" not in broken.stderr
+
+
+def test_drain_finish_says_what_it_drained(tmp_path, job):
+    from bbio.checkpoint import drain, layout
+    from bbio.transfer import files
+
+    saved = run_mpi(4, str(job), str(tmp_path), "save")
+    assert saved.returncode == 0, saved.stdout + saved.stderr
+    idle = bbio_ckpt(tmp_path, "drain", "--finish", "--timeout", "30")
+    assert idle.returncode == 0, idle.stderr
+    assert f"nothing to drain in {tmp_path / 'bb' / '0'}: no checkpoint step queued" in idle.stdout
+    # node 0's drain died before step 2 was committed: its task is still queued
+    bb, pfs = tmp_path / "bb" / "0" / "ckpt" / "run", tmp_path / "pfs" / "ckpt" / "run"
+    bb_step, pfs_step = bb / layout.step_dirname(2), pfs / layout.step_dirname(2)
+    drain.manifest_path(pfs_step).unlink()
+    record = files.read_json(bb_step / layout.node_record_name(0))
+    task = drain.Task("run", 2, 0, 2, str(bb_step), str(pfs_step), 5, save_time=record["time"])
+    drain.add_task(drain.journal_dir(bb), task)
+    finished = bbio_ckpt(tmp_path, "drain", "--finish", "--timeout", "30")
+    assert finished.returncode == 0, finished.stderr
+    assert finished.stdout.strip() == (
+        f"drained the queued checkpoint step(s) in {tmp_path / 'bb' / '0'} to the PFS (run: 1)"
+    )
+    assert drain.read_manifest(pfs_step) is not None
+
+
+def test_drain_finish_fails_on_a_burst_buffer_that_does_not_exist(tmp_path):
+    missing = bbio_ckpt(tmp_path, "drain", "--finish", node=3)
+    assert missing.returncode == 1 and not missing.stdout
+    assert f"no burst-buffer directory {tmp_path / 'bb' / '3'}" in missing.stderr
+    assert "Check --bb-root and --node" in missing.stderr and "Traceback" not in missing.stderr
+    ignored = run_python("-m", "bbio", "ckpt", "drain", "--finish", "--pfs-root", str(tmp_path))
+    assert ignored.returncode == 2 and "unrecognized arguments: --pfs-root" in ignored.stderr
+
+
+@pytest.mark.parametrize("action", ["ls", "verify"])
+def test_ls_and_verify_fail_on_roots_or_names_that_exist_nowhere(tmp_path, action):
+    nowhere = bbio_ckpt(tmp_path, action)
+    assert nowhere.returncode == 1 and not nowhere.stdout
+    assert f"neither the burst buffer {tmp_path / 'bb' / '0'} nor the PFS root" in nowhere.stderr
+    assert "Check --bb-root, --pfs-root and --node" in nowhere.stderr
+    (tmp_path / "pfs" / "ckpt" / "run").mkdir(parents=True)
+    typo = bbio_ckpt(tmp_path, action, "rnu")
+    assert typo.returncode == 1 and not typo.stdout
+    assert f"no checkpointer 'rnu' in {tmp_path / 'bb' / '0' / 'ckpt'} or " in typo.stderr
+    assert "Checkpointers there: run" in typo.stderr and "Traceback" not in typo.stderr
+    assert bbio_ckpt(tmp_path, action, "run").returncode == 0
+
+
+def test_wait_without_a_copy_here_suggests_step(tmp_path):
+    (tmp_path / "bb" / "0" / "ckpt" / "run").mkdir(parents=True)
+    waited = bbio_ckpt(tmp_path, "wait", "run", "--timeout", "1")
+    assert waited.returncode == 1
+    assert "no checkpoint 'run' in this burst buffer" in waited.stderr
+    assert "Wait for a given step with --step" in waited.stderr
 
 
 def test_a_rank_killed_during_save_never_leaves_a_restorable_partial_checkpoint(tmp_path, job):

@@ -32,6 +32,17 @@ def test_console_script_info_reports_stack_and_roots(tmp_path):
     assert "free" in out
 
 
+def test_info_says_an_unset_pfs_root_is_not_set(monkeypatch):
+    monkeypatch.delenv("BBIO_PFS_ROOT", raising=False)
+    monkeypatch.delenv("BBIO_CONFIG", raising=False)
+    result = run_python("-m", "bbio", "info")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "PFS root          not set (set BBIO_PFS_ROOT or pfs_root in the config file)" in lines
+    assert "PFS path          not set" in lines
+    assert "None" not in result.stdout
+
+
 def test_bad_configuration_is_a_clear_error_not_a_traceback():
     result = run_python("-m", "bbio", "info", env={"BBIO_RANKS_PER_NODE": "many"})
     assert result.returncode == 1

@@ -27,7 +27,7 @@ class Row:
 
 
 def names(bb_root: Path, pfs_root: Path) -> list[str]:
-    """Checkpointer names found on this node's burst buffer or on the PFS."""
+    """Checkpointer names found on this node's burst buffer or on the PFS.  Not collective."""
     found = set()
     for base in (bb_root / layout.CKPT_DIR, pfs_root / layout.CKPT_DIR):
         if base.is_dir():
@@ -35,14 +35,43 @@ def names(bb_root: Path, pfs_root: Path) -> list[str]:
     return sorted(found)
 
 
+def _names_to_look_at(bb_root: Path, pfs_root: Path, name: str | None) -> list[str]:
+    """``[name]``, or every name found; a typo in a root or a name is an error, not nothing.
+
+    Raises :class:`NotFoundError` when neither ``bb_root`` nor ``pfs_root`` is a
+    directory, or when ``name`` is in neither.
+    """
+    if not bb_root.is_dir() and not pfs_root.is_dir():
+        raise NotFoundError(
+            f"neither the burst buffer {bb_root} nor the PFS root {pfs_root} exists",
+            hint="check --bb-root, --pfs-root and --node (defaults: BBIO_BB_ROOT, BBIO_PFS_ROOT)",
+        )
+    found = names(bb_root, pfs_root)
+    if name is None:
+        return found
+    if name not in found:
+        raise NotFoundError(
+            f"no checkpointer {name!r} in {bb_root / layout.CKPT_DIR} "
+            f"or {pfs_root / layout.CKPT_DIR}",
+            hint=f"checkpointers there: {', '.join(found)}"
+            if found
+            else "there is none: check --bb-root, --pfs-root and --node",
+        )
+    return [name]
+
+
 def list_checkpoints(
     bb_root: Path, pfs_root: Path, node: int, name: str | None = None
 ) -> list[Row]:
-    """Every step of every (or one) checkpointer: its state in this node's BB and on the PFS."""
+    """Every step of every (or one) checkpointer: its state in this node's BB and on the PFS.
+
+    Not collective.  Raises :class:`NotFoundError` when neither root exists, or
+    ``name`` is in neither.
+    """
     from bbio.checkpoint.checkpointer import describe_pfs
 
     rows = []
-    for n in [name] if name else names(bb_root, pfs_root):
+    for n in _names_to_look_at(bb_root, pfs_root, name):
         bb_dir, pfs_dir = bb_root / layout.CKPT_DIR / n, pfs_root / layout.CKPT_DIR / n
         local = reader.bb_copies(bb_dir, node)
         pfs = describe_pfs(pfs_dir)
@@ -63,10 +92,12 @@ def list_checkpoints(
 def verify(bb_root: Path, pfs_root: Path, node: int | None = None, name: str | None = None) -> int:
     """Re-read every committed PFS checkpoint and this node's drained BB copies; count files.
 
-    Raises :class:`IntegrityError` naming every file whose size or CRC32C differs.
+    Not collective.  Raises :class:`IntegrityError` naming every file whose size
+    or CRC32C differs, :class:`NotFoundError` when neither root exists or
+    ``name`` is in neither.
     """
     problems, checked = [], 0
-    for n in [name] if name else names(bb_root, pfs_root):
+    for n in _names_to_look_at(bb_root, pfs_root, name):
         pfs_dir = pfs_root / layout.CKPT_DIR / n
         for step in drain.committed_steps(pfs_dir):
             manifest = reader.pfs_manifest(pfs_dir, step)
@@ -95,25 +126,45 @@ def verify(bb_root: Path, pfs_root: Path, node: int | None = None, name: str | N
     return checked
 
 
-def finish(bb_root: Path, timeout: float | None) -> list[str]:
-    """Drain every journal of this node to the end (an epilog's job); returns what failed.
+@dataclasses.dataclass(frozen=True)
+class Drained:
+    """What :func:`finish` did under one burst buffer."""
+
+    bb_root: Path
+    queued: dict[str, int]  # checkpointer name -> steps queued in its journal at the start
+    failed: list[str]  # journals that could not be drained
+
+
+def finish(bb_root: Path, timeout: float | None) -> Drained:
+    """Drain every journal of this node to the end (an epilog's job, ``bbio ckpt drain
+    --finish``).  Not collective.
 
     Waits for a drain that is still running, takes over a dead one, retries
     failures until ``timeout``.  Then commits any checkpoint whose node files
-    are all on the PFS but whose committer died.
+    are all on the PFS but whose committer died.  Raises :class:`NotFoundError`
+    when ``bb_root`` is not a directory (a typo there must not pass for a node
+    with nothing queued).
     """
+    if not bb_root.is_dir():
+        raise NotFoundError(
+            f"no burst-buffer directory {bb_root}: nothing to drain there",
+            path=bb_root,
+            hint="check --bb-root and --node (default: BBIO_BB_ROOT)",
+        )
+    journals = list(drain.journals(bb_root))
+    queued = {journal.parent.name: len(drain.pending(journal)) for journal in journals}
     failed = []
     deadline = None if timeout is None else time.monotonic() + timeout
-    for journal in drain.journals(bb_root):
+    for journal in journals:
         left = None if deadline is None else max(deadline - time.monotonic(), 1.0)
         if drain.run(journal, parent=None, finish=True, timeout=left) != 0:
             failed.append(str(journal))
         drain.commit_ready(journal)
-    return failed
+    return Drained(bb_root, queued, failed)
 
 
 def wait_committed(pfs_root: Path, name: str, step: int, timeout: float | None) -> None:
-    """Block until checkpoint ``name`` ``step`` is committed on the PFS."""
+    """Block until checkpoint ``name`` ``step`` is committed on the PFS.  Not collective."""
     step_dir = pfs_root / layout.CKPT_DIR / name / layout.step_dirname(step)
     deadline = None if timeout is None else time.monotonic() + timeout
     while drain.read_manifest(step_dir) is None:
@@ -127,8 +178,14 @@ def wait_committed(pfs_root: Path, name: str, step: int, timeout: float | None) 
 
 
 def newest_local_step(bb_root: Path, name: str, node: int | None = None) -> int:
-    """The newest step of ``name`` in this node's burst buffer."""
-    copies = reader.bb_copies(bb_root / layout.CKPT_DIR / name, node)
+    """The newest step of ``name`` in this node's burst buffer.  Not collective."""
+    bb_dir = bb_root / layout.CKPT_DIR / name
+    copies = reader.bb_copies(bb_dir, node)
     if not copies:
-        raise NotFoundError(f"no checkpoint {name!r} in this burst buffer", path=bb_root)
+        raise NotFoundError(
+            f"no checkpoint {name!r} in this burst buffer",
+            path=bb_dir,
+            hint="wait for a given step with --step (a step trimmed here or saved straight "
+            "to the PFS has no copy here), or check --bb-root and --node",
+        )
     return max(copies)
