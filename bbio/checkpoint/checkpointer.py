@@ -31,7 +31,7 @@ from bbio.checkpoint.globalview import describe_node_file
 from bbio.checkpoint.writer import describe, file_attrs, global_shapes, write_node_file
 from bbio.config import Config, load_config
 from bbio.errors import BBIOError, BBIOTimeoutError, NotFoundError, UsageError
-from bbio.mpi import agreed, agreed_allgather, topology
+from bbio.mpi import agreed, agreed_allgather, agreed_error, topology
 from bbio.report import format_bytes
 from bbio.transfer import files
 
@@ -117,7 +117,8 @@ class Checkpointer:
     :meth:`list` and :meth:`close`).  ``bb_root`` and ``pfs_root`` default to the
     configuration's; ``keep_bb`` and ``keep_pfs`` checkpoints are kept in each
     tier; ``backpressure`` ("queue", "block" or "skip") defaults to
-    ``ckpt_backpressure``.
+    ``ckpt_backpressure``.  Once closed, :meth:`save`, :meth:`restore` and
+    :meth:`list` raise :class:`UsageError` on every rank; closing again does nothing.
     """
 
     def __init__(
@@ -164,6 +165,7 @@ class Checkpointer:
         self.journal = drain.journal_dir(self.bb_dir)
         self._drain: subprocess.Popen | None = None
         self._said_direct = False
+        self._closed = False
         self.last_restore_tier: str | None = None  # "bb" or "pfs", after restore()
         pfs_steps: list[int] = []
         with agreed(self.comm, f"checkpointer {name}: preparing the burst buffer"):
@@ -186,6 +188,7 @@ class Checkpointer:
         file is closed and fsynced in the burst buffer (or, if that is full,
         once the checkpoint is committed on the PFS).  ``attrs`` must be JSON.
         """
+        self._check_open()
         comm = self.comm
 
         def check() -> tuple:
@@ -279,6 +282,16 @@ class Checkpointer:
                     drain.apply_pfs_retention(step_dir.parent, self.keep_pfs)
             return dataclasses.replace(handle, direct=True)
         return handle
+
+    def _check_open(self) -> None:
+        """Raise UsageError once :meth:`close` was called (on every rank: it is collective),
+        before the freed communicator is touched."""
+        if self._closed:
+            raise UsageError(
+                f"checkpointer {self.name} is closed",
+                path=self.pfs_dir,
+                hint=f"create a new Checkpointer(comm, {self.name!r}) to save, restore or list",
+            )
 
     def _drop_unused_bb_step_dir(self, step: int) -> None:
         """A node leader: remove the BB step directory ``save`` made, if it stayed empty."""
@@ -487,8 +500,12 @@ class Checkpointer:
         rank count.  With global arrays, ``want`` maps keys to the (start,
         shape) box this rank wants, whatever the rank count; with per-rank
         arrays, ``from_rank`` picks whose arrays to read.  Copies that fail
-        verification are skipped with a warning naming the file.
+        verification are skipped with a warning naming the file, for the
+        previous checkpoint.  A ``want`` or ``from_rank`` the newest complete
+        checkpoint cannot serve (per-rank arrays, an unsaved rank, key or box)
+        raises :class:`UsageError` on every rank instead.
         """
+        self._check_open()
         comm = self.comm
         pfs_steps: list[int] = []
         with agreed(comm, f"checkpoint {self.name}: listing checkpoints"):
@@ -501,6 +518,7 @@ class Checkpointer:
         candidates = sorted(set(pfs_steps) | on_all_nodes, reverse=True)
         if step is not None:
             candidates = [s for s in candidates if s == step]
+        skipped = []
         for s in candidates:
             tiers = ["bb"] if s in on_all_nodes and want is None and from_rank is None else []
             tiers += ["pfs"] if s in pfs_steps else []
@@ -509,13 +527,16 @@ class Checkpointer:
                 if result is not None:
                     self.last_restore_tier = tier
                     return result
+                skipped.append(f"step {s} ({tier}): {problem}")
                 if self.rank == 0:
                     log.warning(
                         "checkpoint %s step %d (%s) skipped: %s", self.name, s, tier, problem
                     )
         where = f"step {step}" if step is not None else "any step"
+        why = f"; skipped: {'; '.join(skipped[:3])}" if skipped else ""
         raise NotFoundError(
-            f"no complete checkpoint {self.name!r} ({where}) in the burst buffers or on the PFS",
+            f"no complete checkpoint {self.name!r} ({where}) in the burst buffers or on the "
+            f"PFS{why}",
             path=self.pfs_dir,
             hint="a checkpoint counts once every node's file is durable (and, on the PFS, "
             "its manifest is written)",
@@ -526,23 +547,34 @@ class Checkpointer:
 
         Verification, then reading; each ends with an agreement, and nothing
         between them is collective, so a failure on one rank never hangs another.
+        A request the checkpoint cannot serve (:class:`reader.RequestError`) on
+        any rank raises the same :class:`UsageError` on every rank: an older
+        checkpoint is not tried instead.
         """
         for phase in (self._verify, self._read):
             problem = None
             result = None
             try:
                 result = phase(step, tier, want, from_rank)
+            except reader.RequestError as exc:
+                problem = (True, str(exc))
             except Exception as exc:  # any failure of any rank: agree, then try the next copy
                 problem = (
-                    f"{type(exc).__name__}: {exc}" if not isinstance(exc, BBIOError) else str(exc)
+                    False,
+                    f"{type(exc).__name__}: {exc}" if not isinstance(exc, BBIOError) else str(exc),
                 )
-            problems = [p for p in self.comm.allgather(problem) if p is not None]
+            problems = [(r, *p) for r, p in enumerate(self.comm.allgather(problem)) if p]
+            requests = [(r, "UsageError", text) for r, request, text in problems if request]
+            if requests:
+                what = f"restoring checkpoint {self.name} step {step}"
+                raise agreed_error(requests, what, self.size)
             if problems:
-                return None, problems[0]
+                return None, problems[0][2]
         return result, None
 
     def _verify(self, step: int, tier: str, want, from_rank) -> None:
-        """Check the files this rank is responsible for (each file is checked once)."""
+        """Check that the PFS copy can serve this rank's ``want`` or ``from_rank``, then the
+        files this rank is responsible for (each file is checked once)."""
         name = layout.step_dirname(step)
         if tier == "bb":
             path = self.bb_dir / name / layout.node_filename(self.node)
@@ -556,6 +588,7 @@ class Checkpointer:
         manifest = reader.pfs_manifest(self.pfs_dir, step)
         if manifest is None:
             raise NotFoundError("the checkpoint is no longer committed", path=self.pfs_dir / name)
+        reader.check_request(manifest, self.pfs_dir / name, want, from_rank)
         records = {f["path"]: f for f in manifest["files"]}
         for n in range(self.rank, manifest["nodes"], self.size):
             entry = records[layout.node_filename(n)]
@@ -571,19 +604,13 @@ class Checkpointer:
         if manifest is None:
             raise NotFoundError("the checkpoint is no longer committed", path=step_dir)
         attrs = manifest["attrs"]
-        if want is not None:
-            if manifest["layout"] != layout.GLOBAL:
-                raise UsageError("want= needs a checkpoint of global arrays (Shards)")
+        if want is not None:  # of a global checkpoint: check_request saw to that
             return step, reader.read_boxes(reader.saved_boxes(manifest, step_dir), want), attrs
         source_rank = self.rank if from_rank is None else from_rank
         if from_rank is None and manifest["ranks"] != self.size:
             raise UsageError(
                 f"checkpoint {step} was saved by {manifest['ranks']} ranks, not {self.size}",
                 hint="pass want= (global arrays) or from_rank= (per-rank arrays)",
-            )
-        if not 0 <= source_rank < manifest["ranks"]:
-            raise UsageError(
-                f"from_rank {source_rank} is not a saved rank (0-{manifest['ranks'] - 1})"
             )
         node = manifest["rank_nodes"][source_rank]
         return step, reader.read_rank(step_dir / layout.node_filename(node), source_rank), attrs
@@ -592,6 +619,7 @@ class Checkpointer:
 
     def list(self) -> list[CheckpointInfo]:
         """Collective: every step in either tier, with its state."""
+        self._check_open()
         pfs = {}
         with agreed(self.comm, f"checkpoint {self.name}: listing"):
             if self.rank == 0:
@@ -623,8 +651,10 @@ class Checkpointer:
         and the ``timeout`` is agreed: every rank raises the same error at once
         (the drains then keep their journals for ``bbio ckpt drain --finish``).
         Without ``wait`` (as on an exception inside ``with``) nothing waits for
-        other ranks.
+        other ranks.  Closing a closed checkpointer does nothing (and is not collective).
         """
+        if self._closed:
+            return
         drained = False
         try:
             if wait:
@@ -645,6 +675,7 @@ class Checkpointer:
                     self._drain.wait()  # its queue is empty: it only trims and exits
             if drained:
                 self.comm.Barrier()
+            self._closed = True
             self.topo.free()
             self.comm.Free()
 

@@ -1,7 +1,10 @@
 """Reading checkpoints back: finding complete copies, verifying them, resharding.
 
 Not collective by themselves: :class:`bbio.Checkpointer` calls these on the
-ranks that need them and agrees on the outcome.
+ranks that need them and agrees on the outcome.  A damaged or missing copy
+raises :class:`IntegrityError` or an I/O error (the checkpointer then tries the
+previous checkpoint); a request the checkpoint cannot serve raises
+:class:`RequestError` (the checkpointer raises it on every rank).
 """
 
 from __future__ import annotations
@@ -19,6 +22,11 @@ from bbio.checkpoint.drain import read_manifest
 from bbio.checkpoint.globalview import recorded_crc, recorded_crcs
 from bbio.errors import IntegrityError, UsageError
 from bbio.transfer import files
+
+
+class RequestError(UsageError):
+    """A restore request (``want``, ``from_rank``) that the checkpoint's layout cannot
+    serve: the caller's mistake, not a damaged copy."""
 
 
 def bb_copies(bb_ckpt_dir: Path, node: int | None) -> dict[int, dict[str, Any]]:
@@ -72,6 +80,31 @@ def file_meta(path: Path) -> dict[str, Any]:
     }
 
 
+def check_request(
+    manifest: Mapping[str, Any],
+    step_dir: Path,
+    want: Mapping[str, Any] | None,
+    from_rank: int | None,
+) -> None:
+    """Raise RequestError unless the checkpoint of ``manifest`` (in ``step_dir``) holds
+    global arrays for ``want`` and was saved by rank ``from_rank`` (when given)."""
+    step, ranks = manifest["step"], manifest["ranks"]
+    if want is not None and manifest["layout"] != layout.GLOBAL:
+        raise RequestError(
+            f"want= asks for boxes of global arrays, but step {step} holds per-rank arrays "
+            f"(keys {sorted(want)})",
+            path=step_dir,
+            hint="restore it with from_rank= (whose arrays to read), or with no arguments on "
+            f"{ranks} ranks",
+        )
+    if from_rank is not None and not 0 <= from_rank < ranks:
+        raise RequestError(
+            f"from_rank {from_rank} is not a saved rank: step {step} was saved by {ranks} ranks",
+            path=step_dir,
+            hint=f"pass a from_rank from 0 to {ranks - 1}",
+        )
+
+
 def _checked(dataset, recorded: int, path: Path) -> np.ndarray:
     data = dataset[()]
     data = np.asarray(data)
@@ -122,16 +155,24 @@ def saved_boxes(manifest: Mapping[str, Any], step_dir: Path) -> dict[str, list[t
 def read_boxes(
     boxes: Mapping[str, list[tuple]], want: Mapping[str, tuple[Sequence[int], Sequence[int]]]
 ) -> dict[str, np.ndarray]:
-    """Assemble each wanted box (start, shape) of each key from the saved slices."""
+    """Assemble each wanted box (start, shape) of each key from the saved slices.
+
+    Raises RequestError for a key the checkpoint lacks or a box its slices do not cover.
+    """
     import h5py
 
     out: dict[str, np.ndarray] = {}
     for key, (start, shape) in want.items():
         if key not in boxes:
-            raise UsageError(f"the checkpoint has no state {key!r}", hint=f"keys: {sorted(boxes)}")
+            raise RequestError(
+                f"the checkpoint has no state {key!r}", hint=f"want= one of {sorted(boxes)}"
+            )
         wanted = (tuple(int(s) for s in start), tuple(int(s) for s in shape))
         if not layout.covers(wanted, [b for _, _, b, _ in boxes[key]]):
-            raise UsageError(f"the box {wanted} of {key!r} is not (all) inside the saved array")
+            raise RequestError(
+                f"the box {wanted} (start, shape) of {key!r} is not (all) inside the saved slices",
+                hint="want= a box inside the array's global shape (and its saved slices)",
+            )
         result = np.empty(wanted[1], dtype=boxes[key][0][3])
         for path, name, box, _ in boxes[key]:
             overlap = layout.intersect(wanted, box)

@@ -1,0 +1,111 @@
+"""Restore requests a checkpoint cannot serve, and a closed checkpointer: the same clear
+``UsageError`` on every rank, never an older checkpoint or a raw MPI error.  On 2 or 4
+ranks in 2 virtual nodes."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+import bbio
+from tests.test_checkpoint import config_for, same, state
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def same_everywhere(comm, error: BaseException) -> str:
+    message = str(error)
+    assert comm.allgather(message) == [message] * comm.Get_size()
+    return message
+
+
+def test_a_from_rank_not_saved_is_a_usage_error_and_damage_falls_back(comm, shared_tmp, caplog):
+    """Step 1 saved by every rank, step 2 by half of them: from_rank of a rank that saved
+    only step 1 raises instead of restoring step 1; a damaged step 2 falls back to it."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    config = config_for(comm, shared_tmp)
+    with bbio.Checkpointer(comm, "r", config=config) as ckpt:
+        ckpt.save(1, state(1, rank))
+    half = comm.Split(0 if rank < size // 2 else 1, rank)  # a run on half the ranks
+    if rank < size // 2:
+        small = config_for(
+            half, shared_tmp, ranks_per_node=1, bb_root=str(shared_tmp / "bb2/{node}")
+        )
+        with bbio.Checkpointer(half, "r", config=small) as again:
+            again.save(2, state(2, rank))
+    half.Free()
+    with bbio.Checkpointer(comm, "r", config=config) as ckpt:
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.restore(from_rank=size - 1)
+        message = same_everywhere(comm, info.value)
+        assert f"from_rank {size - 1} is not a saved rank" in message, message
+        assert f"step 2 was saved by {size // 2} ranks" in message, message
+        assert "step-00000002" in message, message
+        step, arrays, _ = ckpt.restore(step=1, from_rank=size - 1)
+        assert step == 1 and same(arrays, state(1, size - 1))
+        step, arrays, _ = ckpt.restore(from_rank=size // 2 - 1)
+        assert step == 2 and same(arrays, state(2, size // 2 - 1))
+        victim = shared_tmp / "pfs" / "ckpt" / "r" / "step-00000002" / "node-00000.h5"
+        comm.Barrier()
+        if rank == 0:  # one byte of an array: a copy that fails verification
+            with open(victim, "r+b") as f:
+                f.seek(victim.stat().st_size - 100)
+                byte = f.read(1)
+                f.seek(victim.stat().st_size - 100)
+                f.write(bytes([byte[0] ^ 0x01]))
+        comm.Barrier()
+        with caplog.at_level(logging.WARNING, logger="bbio"):
+            step, arrays, _ = ckpt.restore(from_rank=0)
+        assert step == 1 and same(arrays, state(1, 0))
+        if rank == 0:
+            assert "step 2 (pfs) skipped" in caplog.text and "node-00000.h5" in caplog.text
+
+
+def test_a_want_the_checkpoint_cannot_give_is_a_usage_error(comm, shared_tmp):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    config = config_for(comm, shared_tmp)
+    with bbio.Checkpointer(comm, "local", config=config) as ckpt:  # per-rank arrays
+        ckpt.save(1, state(1, rank)).wait(timeout=60)
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.restore(want={"model/w": ((0, 0), (1, 8))})
+        message = same_everywhere(comm, info.value)
+        assert "step 1 holds per-rank arrays" in message and "from_rank=" in message, message
+    with bbio.Checkpointer(comm, "global", config=config) as ckpt:
+        for step, rows in ((1, 6), (2, 4)):  # step 2's array is smaller than step 1's
+            full = np.arange(size * rows * 5, dtype=np.float64).reshape(size * rows, 5)
+            mine = full[rank * rows : (rank + 1) * rows]
+            ckpt.save(step, {"w": bbio.Shard(mine, (rank * rows, 0), full.shape)}).wait(timeout=60)
+        beyond = ((size * 4, 0), (2, 5))  # rows step 1 has, step 2 has not
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.restore(want={"w": beyond})
+        message = same_everywhere(comm, info.value)
+        assert "restoring checkpoint global step 2 failed" in message, message
+        assert "not (all) inside the saved slices" in message, message
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.restore(want={"w": ((0, 0), (1, 5)), "nope": ((0,), (1,))})
+        assert "no state 'nope'" in same_everywhere(comm, info.value)
+        last = size - 1
+        box = beyond if rank == last else ((0, 0), (1, 5))  # one rank's box alone is bad
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.restore(want={"w": box})
+        assert f"failed on rank {last}:" in same_everywhere(comm, info.value)
+        step, back, _ = ckpt.restore(step=1, want={"w": beyond})
+        assert step == 1 and back["w"].shape == (2, 5)
+
+
+def test_a_closed_checkpointer_says_so_on_every_rank(comm, shared_tmp):
+    rank = comm.Get_rank()
+    with bbio.Checkpointer(comm, "shut", config=config_for(comm, shared_tmp)) as ckpt:
+        ckpt.save(1, state(1, rank))
+        ckpt.close()  # and once more by the with statement: nothing happens
+    for call in (
+        lambda: ckpt.save(2, state(2, rank)),
+        lambda: ckpt.restore(),
+        lambda: ckpt.list(),
+    ):
+        with pytest.raises(bbio.UsageError) as info:
+            call()
+        message = same_everywhere(comm, info.value)
+        assert "checkpointer shut is closed" in message and "new Checkpointer" in message
