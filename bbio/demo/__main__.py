@@ -96,13 +96,15 @@ def _run(command: list[str], what: str) -> None:
 
 
 def _draining(root: Path) -> int | None:
-    """The step a drain is copying now while an older step is already committed, if any."""
+    """The step a drain is copying now, not yet committed, while an older step is, if any."""
     committed = drain.committed_steps(root / "pfs" / "ckpt" / "demo")
     for journal in root.glob(JOURNAL_GLOB):
         status = drain.read_status(journal)
         tasks = drain.pending(journal)
-        if committed and tasks and status.get("state") == "copying":
-            return tasks[0].step
+        if tasks and status.get("state") == "copying":
+            step = tasks[0].step  # still queued for a moment after its commit: excluded
+            if step not in committed and any(older < step for older in committed):
+                return step
     return None
 
 
