@@ -257,6 +257,8 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
     path, failed = slurm.epilog(config, job, args.timeout)
     for journal in failed:
         print(f"bbio epilog: could not drain {journal}; {path} is kept", file=sys.stderr)
+    if not failed:
+        print(f"bbio epilog: every queued checkpoint drained; {path} removed")
     return 1 if failed else 0
 
 

@@ -70,6 +70,7 @@ def test_the_epilog_drains_as_the_user_and_removes_the_job_directory_as_root(sit
     chown_tree(job_dir, JOB.uid, JOB.gid)
     removed = run_python("-m", "bbio", "slurm", "epilog", "--timeout", "60", env=env)
     assert removed.returncode == 0, removed.stderr
+    assert f"{job_dir} removed" in removed.stdout
     assert not job_dir.exists() and job_dir.parent.is_dir()
     pfs_step = site / "pfs" / layout.step_dirname(7)
     assert drain.read_manifest(pfs_step)["time"] == 1.5  # both nodes' files, committed
