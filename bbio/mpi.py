@@ -8,6 +8,8 @@ that works without an initialised MPI is :func:`library_version`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
 import sys
 import time
 import traceback
@@ -17,7 +19,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from bbio.errors import CLASSES_BY_NAME, BBIOError, BBIOTimeoutError, CollectiveError
+from bbio.errors import CLASSES_BY_NAME, BBIOError, BBIOTimeoutError, CollectiveError, UsageError
 
 T = TypeVar("T")
 K = TypeVar("K")
@@ -92,6 +94,46 @@ def topology(comm, ranks_per_node: int | None = None) -> Topology:
 def all_agree(comm, ok: bool) -> bool:
     """Collective over ``comm``: True only if ``ok`` is True on every rank."""
     return bool(comm.allreduce(bool(ok), op=_mpi().LAND))
+
+
+def same_arguments(comm, what: str, arguments: Mapping[str, Any]) -> None:
+    """Collective over ``comm``: raise the same :class:`UsageError` on every rank unless
+    every rank passed equal ``arguments`` (name -> value) to the collective call ``what``.
+
+    Values are compared by a fingerprint: arrays by dtype, shape and a digest of
+    their bytes, paths as strings, anything else by ``repr``.  The error names
+    each differing argument with rank 0's value and the first other rank's.
+    """
+    mine = {name: _fingerprint(value) for name, value in arguments.items()}
+    everyone = comm.allgather(mine)
+    first = everyone[0]
+    differing = [
+        (name, rank, theirs[name])
+        for name in first
+        for rank, theirs in enumerate(everyone)
+        if theirs.get(name) != first[name]
+    ]
+    seen: dict[str, tuple[int, str]] = {}
+    for name, rank, value in differing:
+        seen.setdefault(name, (rank, value))
+    if seen:
+        listed = "; ".join(
+            f"{name}: rank 0 {first[name]}, rank {rank} {value}"
+            for name, (rank, value) in seen.items()
+        )
+        raise UsageError(
+            f"{what}: the ranks passed different arguments ({listed})",
+            hint="a collective call needs the same arguments on every rank of its communicator",
+        )
+
+
+def _fingerprint(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        digest = hashlib.sha256(np.ascontiguousarray(value).tobytes()).hexdigest()[:16]
+        return f"array({value.dtype.str}, {value.shape}, sha256 {digest})"
+    if isinstance(value, os.PathLike):
+        return repr(os.fspath(value))
+    return repr(value)
 
 
 def deal(items: Sequence[T], comm) -> Sequence[T]:

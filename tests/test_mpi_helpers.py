@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import bbio
-from bbio.mpi import agreed, all_agree, topology, wait_all_ranks
+from bbio.mpi import agreed, all_agree, same_arguments, topology, wait_all_ranks
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -46,6 +46,18 @@ def test_real_nodes_are_hosts(comm):
 def test_all_agree(comm):
     assert all_agree(comm, True)
     assert not all_agree(comm, comm.Get_rank() != 1)
+
+
+def test_different_arguments_on_one_rank_are_the_same_usage_error_everywhere(comm):
+    rank = comm.Get_rank()
+    ids = np.arange(10)
+    same_arguments(comm, "the loader", {"batch_size": 4, "ids": ids, "path": "/pfs/x"})
+    with pytest.raises(bbio.UsageError) as info:
+        same_arguments(comm, "the loader", {"batch_size": 4, "ids": ids + (rank == 1), "seed": 0})
+    message = str(info.value)
+    assert "the loader: the ranks passed different arguments (ids: rank 0 array(" in message
+    assert "rank 1 array(" in message and "seed" not in message
+    assert comm.allgather(message) == [message] * comm.Get_size()
 
 
 def test_one_failing_rank_makes_every_rank_raise_the_same_error(comm):
