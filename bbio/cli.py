@@ -8,6 +8,7 @@ import io
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
@@ -383,15 +384,33 @@ def launched_rank() -> int:
     return 0
 
 
+USAGE_EXIT_DELAY_SECONDS = 1.0
+
+
+def _let_the_first_rank_speak() -> None:
+    """Under a launcher, every rank meets a usage error at once and the launcher ends
+    the job as soon as one rank has failed: the other ranks wait a moment, so that
+    the first rank, which alone prints it, gets the message out."""
+    if launched_rank() > 0:
+        time.sleep(USAGE_EXIT_DELAY_SECONDS)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``bbio`` command."""
     parser = build_parser()
     # Usage errors are the same on every rank: only the first rank prints them.
     quiet = contextlib.redirect_stderr(io.StringIO()) if launched_rank() > 0 else nullcontext()
     with quiet:
-        args = parser.parse_args(argv)
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:
+            if exc.code:
+                _let_the_first_rank_speak()
+            raise
     if not getattr(args, "run", None):
-        parser.print_help()
+        if launched_rank() == 0:
+            parser.print_help()
+        _let_the_first_rank_speak()
         return 2
     try:
         return args.run(args)

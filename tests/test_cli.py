@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 from bbio import __version__
-from tests.conftest import run_python
+from tests.conftest import run_mpi, run_python
 
 
 def test_version():
@@ -48,3 +48,12 @@ def test_bad_configuration_is_a_clear_error_not_a_traceback():
     assert result.returncode == 1
     assert result.stderr.startswith("bbio: error: environment variable BBIO_RANKS_PER_NODE")
     assert "Traceback" not in result.stderr
+
+
+def test_a_usage_error_under_mpirun_is_printed_once(tmp_path):
+    result = run_mpi(4, "-m", "bbio", "pack", str(tmp_path), "out", "--shard-size", "1X")
+    assert result.returncode != 0
+    assert result.stderr.count("not a size: '1X'") == 1, result.stderr
+    bare = run_mpi(2, "-m", "bbio")
+    assert bare.returncode != 0
+    assert bare.stdout.count("usage: bbio") == 1, bare.stdout
