@@ -119,3 +119,17 @@ def test_a_different_step_on_one_rank_is_a_usage_error_everywhere(comm, shared_t
         assert "rank 0: 3, rank 1: 4" in same_everywhere(comm, info.value)
         ckpt.save(5, state(5, rank))  # the checkpointer still works
         assert [i.step for i in ckpt.list()] == [5]
+
+
+def test_different_arguments_to_the_constructor_or_restore_are_a_usage_error(comm, shared_tmp):
+    rank = comm.Get_rank()
+    config = config_for(comm, shared_tmp)
+    with pytest.raises(bbio.UsageError) as info:
+        bbio.Checkpointer(comm, "t", keep_bb=1 + (rank == 1), config=config)
+    assert "keep_bb: rank 0 1, rank 1 2" in same_everywhere(comm, info.value)
+    with bbio.Checkpointer(comm, "t", config=config) as ckpt:
+        ckpt.save(1, state(1, rank))
+        ckpt.save(2, state(2, rank))
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.restore(step=1 + (rank == 1))
+        assert "step: rank 0 1, rank 1 2" in same_everywhere(comm, info.value)

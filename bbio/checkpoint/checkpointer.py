@@ -31,7 +31,7 @@ from bbio.checkpoint.globalview import describe_node_file
 from bbio.checkpoint.writer import describe, file_attrs, global_shapes, write_node_file
 from bbio.config import Config, load_config
 from bbio.errors import BBIOError, BBIOTimeoutError, NotFoundError, UsageError
-from bbio.mpi import agreed, agreed_allgather, agreed_error, topology
+from bbio.mpi import agreed, agreed_allgather, agreed_error, same_arguments, topology
 from bbio.report import format_bytes
 from bbio.transfer import files
 
@@ -133,6 +133,9 @@ class Checkpointer:
         config: Config | None = None,
     ) -> None:
         config = config or load_config()
+        arguments = {"name": name, "bb_root": bb_root, "pfs_root": pfs_root, "keep_bb": keep_bb}
+        arguments |= {"keep_pfs": keep_pfs, "backpressure": backpressure, "config": config}
+        same_arguments(comm, "Checkpointer", arguments)
         if "/" in name or not name or name.startswith("."):
             raise UsageError(
                 f"invalid checkpoint name {name!r}", hint="use a plain name like 'run1'"
@@ -515,6 +518,7 @@ class Checkpointer:
         raises :class:`UsageError` on every rank instead.
         """
         self._check_open()
+        same_arguments(self.comm, f"checkpoint {self.name}: restore", {"step": step})
         comm = self.comm
         pfs_steps: list[int] = []
         with agreed(comm, f"checkpoint {self.name}: listing checkpoints"):
