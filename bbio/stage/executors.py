@@ -12,21 +12,31 @@ prepared:
   Every byte is read from the source once, whatever the node count.
 
 Both return the per-piece results this rank holds for its node, keyed by
-(path, offset), and count bytes read from the source.
+(path, offset), and count bytes read from the source.  An error names the
+node it happened on (:func:`located`); in :func:`copy_broadcast`, the members
+of a column agree on it round by round, so none is left in an exchange.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 
 from bbio import _native
-from bbio.errors import IntegrityError, from_oserror
+from bbio.errors import (
+    CLASSES_BY_NAME,
+    BBIOError,
+    CollectiveError,
+    IntegrityError,
+    NoSpaceError,
+    from_oserror,
+)
 from bbio.stage.plan import Piece, group_by_size, partition
 from bbio.stage.progress import Progress
 from bbio.transfer.files import PieceResult, copy_piece, temp_name, temp_path
@@ -38,6 +48,25 @@ PieceKey = tuple[str, int]
 # stay short enough for progress reports).
 BATCH_BYTES = 64 << 20
 BATCH_FILE_BYTES = 256 << 10
+FULL_HINT = (
+    "the destination filled up during the copy: free space there, or transfer fewer files "
+    "(--include/--exclude); this round's temporary files were removed, and a rerun copies "
+    "only what is missing"
+)
+
+
+@contextmanager
+def located(node: int) -> Iterator[None]:
+    """Not collective: a bbio error raised in the block names ``node`` (unless it names
+    one already), and a full device gets advice."""
+    try:
+        yield
+    except BBIOError as exc:
+        if exc.node is None:
+            exc.node = node
+        if isinstance(exc, NoSpaceError) and not exc.hint:
+            exc.hint = FULL_HINT
+        raise
 
 
 @dataclasses.dataclass
@@ -298,30 +327,76 @@ def copy_broadcast(
         group_by_size(parts[node * columns.count + columns.index], round_bytes, lambda p: p.length)
         for node in range(nodes)
     ]
+    failed: Exception | None = None  # this rank's error, told to its column at the next exchange
     for k in range(max((len(s) for s in schedules), default=0)):
         round_pieces = [s[k] if k < len(s) else [] for s in schedules]
-        mine = round_pieces[columns.member]
-        buffer, crcs, changed = _read_round(mine, entries, src_root, threads)
-        outcome.source_bytes_read += int(buffer.size)
         counts = [sum(p.length for p in rp) for rp in round_pieces]
         displs = [sum(counts[:i]) for i in range(len(counts))]
+        buffer = np.zeros(counts[columns.member], dtype=np.uint8)
+        crcs: list[int] = []
+        changed: list[bool] = []
+        if failed is None:
+            with _held(columns.member) as held:
+                buffer, crcs, changed = _read_round(
+                    round_pieces[columns.member], entries, src_root, threads
+                )
+                outcome.source_bytes_read += int(buffer.size)
+            failed = held.error
         received = np.empty(sum(counts), dtype=np.uint8)
         columns.comm.Allgatherv(buffer, [received, counts, displs, MPI.BYTE])
-        meta = columns.comm.allgather((crcs, changed))
-        for sender, (sender_pieces, (sender_crcs, sender_changed)) in enumerate(
-            zip(round_pieces, meta, strict=True)
-        ):
-            data = received[displs[sender] : displs[sender] + counts[sender]]
-            _write_pieces(
-                sender_pieces,
-                data,
-                sender_crcs,
-                sender_changed,
-                wanted,
-                dst_root,
-                outcome,
-                progress,
-                sender,
-            )
+        meta = columns.comm.allgather((crcs, changed, _described(failed)))
+        _raise_first(meta, failed)
+        with _held(columns.member) as held:
+            for sender, (sender_pieces, (sender_crcs, sender_changed, _)) in enumerate(
+                zip(round_pieces, meta, strict=True)
+            ):
+                data = received[displs[sender] : displs[sender] + counts[sender]]
+                _write_pieces(
+                    sender_pieces,
+                    data,
+                    sender_crcs,
+                    sender_changed,
+                    wanted,
+                    dst_root,
+                    outcome,
+                    progress,
+                    sender,
+                )
+        failed = held.error
         progress.update()
+    _raise_first(columns.comm.allgather((None, None, _described(failed))), failed)
     return outcome
+
+
+@dataclasses.dataclass
+class _Held:
+    """The error a :func:`_held` block raised (None if none)."""
+
+    error: Exception | None = None
+
+
+@contextmanager
+def _held(node: int) -> Iterator[_Held]:
+    """Not collective: keep the error the block raises (located on ``node``) instead of
+    raising it, so that the rank still takes part in its column's exchanges."""
+    held = _Held()
+    try:
+        with located(node):
+            yield held
+    except Exception as exc:
+        held.error = exc
+
+
+def _described(error: Exception | None) -> tuple[str, str] | None:
+    return None if error is None else (type(error).__name__, str(error))
+
+
+def _raise_first(meta: Sequence[tuple], mine: Exception | None) -> None:
+    """Raise, on every member of a column, the error of its first member that failed
+    (the same class and message everywhere); return if none did."""
+    failures = [m[2] for m in meta if m[2] is not None]
+    if not failures:
+        return
+    name, message = failures[0]
+    cls = CLASSES_BY_NAME.get(name)
+    raise (CollectiveError(f"{name}: {message}") if cls is None else cls(message)) from mine

@@ -16,7 +16,9 @@ Plain h5py reads a sample: ``f["data"][f["offsets"][i] : f["offsets"][i] + f["si
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import os
 import time
 from collections.abc import Sequence
@@ -27,11 +29,11 @@ import numpy as np
 from bbio import _native
 from bbio._version import __version__
 from bbio.config import Config, load_config
-from bbio.errors import DependencyError, IntegrityError, NotFoundError, from_oserror
-from bbio.mpi import agreed, deal, topology
+from bbio.errors import DependencyError, IntegrityError, NoSpaceError, NotFoundError, from_oserror
+from bbio.mpi import agreed, deal, same_arguments, topology
 from bbio.report import format_bytes, format_table
 from bbio.stage.plan import group_by_size
-from bbio.stage.walk import check_readable, walk
+from bbio.stage.walk import check_destination, check_no_node, check_outside, check_readable, walk
 from bbio.transfer import files
 from bbio.transfer.manifest import Entry
 
@@ -39,6 +41,11 @@ FORMAT = "bbio-pack/1"
 INDEX_NAME = "bbio-pack.json"
 DEFAULT_SHARD_SIZE = 1 << 30
 _SLAB = 64 << 20
+# Room a shard needs beyond its samples' bytes: per sample (its name, offset, size
+# and CRC32C, with HDF5's overhead), and per file (superblock, headers, attributes).
+_SAMPLE_OVERHEAD_BYTES = 128
+_SHARD_OVERHEAD_BYTES = 64 << 10
+FULL_HINT = "free space there, or pack fewer files (--include/--exclude)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +69,7 @@ class PackSummary:
     shards: int
     bytes: int
     seconds: float
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     def report(self) -> str:
         """A readable summary."""
@@ -72,7 +80,8 @@ class PackSummary:
             ("seconds", f"{self.seconds:.2f}"),
             ("GB/s", f"{self.bytes / self.seconds / 1e9:.2f}" if self.seconds else "-"),
         ]
-        return "bbio pack\n" + format_table(["", ""], rows)
+        notes = "".join(f"\nwarning: {w}" for w in self.warnings)
+        return "bbio pack\n" + format_table(["", ""], rows) + notes
 
 
 def _h5py():
@@ -114,19 +123,51 @@ def _read_files(src: Path, group: Sequence[Entry], threads: int) -> tuple[np.nda
     return buffer, crcs
 
 
+def shard_name(index: int) -> str:
+    """The file name of shard ``index``."""
+    return f"shard-{index:05d}.h5"
+
+
 def _write_shard(
     src: Path, out: Path, index: int, first_sample: int, group: Sequence[Entry], threads: int
 ) -> ShardInfo:
-    h5py = _h5py()
-    name = f"shard-{index:05d}.h5"
+    """Write shard ``index`` under its temporary name, then commit it.  Not collective.
+
+    On failure its temporary file is removed and the error is a bbio error.
+    """
+    name = shard_name(index)
     final = out / name
     temp = files.temp_path(final)
+    try:
+        total, data_offset = _fill_shard(src, temp, index, first_sample, group, threads)
+        file_bytes, file_crc = files.checksum_file(temp)
+        with open(temp, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temp, final)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            temp.unlink(missing_ok=True)
+        if not isinstance(exc, OSError):
+            raise
+        error = from_oserror(exc, "write the shard", final)
+        if isinstance(error, NoSpaceError) and not error.hint:
+            error.hint = FULL_HINT
+        raise error from None
+    return ShardInfo(name, len(group), first_sample, total, data_offset, file_bytes, file_crc)
+
+
+def _fill_shard(
+    src: Path, temp: Path, index: int, first_sample: int, group: Sequence[Entry], threads: int
+) -> tuple[int, int]:
+    """Write the HDF5 file of a shard to ``temp``; return its data bytes and data offset."""
+    h5py = _h5py()
     sizes = np.array([e.size for e in group], dtype=np.int64)
     offsets = np.zeros(len(group), dtype=np.int64)
     np.cumsum(sizes[:-1], out=offsets[1:])
     crcs = np.zeros(len(group), dtype=np.uint32)
     total = int(sizes.sum())
     with h5py.File(temp, "w", libver="latest") as f:
+        _reserve(f, shard_bytes(group))
         data = f.create_dataset("data", shape=(total,), dtype=np.uint8)
         slabs = group_by_size(list(range(len(group))), _SLAB, lambda i: group[i].size)
         for slab in slabs:
@@ -145,11 +186,48 @@ def _write_shard(
         f.attrs["bbio"] = __version__
         f.flush()
         data_offset = int(data.id.get_offset() or 0)
-    file_bytes, file_crc = files.checksum_file(temp)
-    with open(temp, "rb+") as handle:
-        os.fsync(handle.fileno())
-    os.replace(temp, final)
-    return ShardInfo(name, len(group), first_sample, total, data_offset, file_bytes, file_crc)
+        # give back the reservation HDF5 did not use: its own idea of the file's end
+        os.ftruncate(f.id.get_vfd_handle(), f.id.get_filesize())
+    return total, data_offset
+
+
+def shard_bytes(group: Sequence[Entry]) -> int:
+    """About how many bytes the shard of ``group`` takes (a little more, not less)."""
+    return _SHARD_OVERHEAD_BYTES + sum(
+        e.size + 2 * len(e.path) + _SAMPLE_OVERHEAD_BYTES for e in group
+    )
+
+
+def _reserve(f, nbytes: int) -> None:
+    """Reserve ``nbytes`` of the device for the HDF5 file ``f`` just created.
+
+    HDF5 must never meet a full device: after a failed write it cannot close
+    the file cleanly, and the process crashes when it exits.  A full device
+    fails here instead, before any sample is written.
+    """
+    try:
+        os.posix_fallocate(f.id.get_vfd_handle(), 0, nbytes)
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+            raise
+        # the file system cannot reserve space: write without
+
+
+def _check_capacity(out: Path, shards: Sequence[Sequence[Entry]]) -> None:
+    """Raise :class:`NoSpaceError` unless ``out`` has room for ``shards`` (the shards of
+    an earlier pack that they replace count as free).  Not collective."""
+    needed = sum(shard_bytes(group) for group in shards)
+    replaced = 0
+    for index in range(len(shards)):
+        with contextlib.suppress(OSError):
+            replaced += (out / shard_name(index)).stat().st_size
+    free = files.free_bytes(out)
+    if needed - replaced > free:
+        raise NoSpaceError(
+            f"{out} needs about {format_bytes(needed - replaced)} ({needed - replaced} bytes) "
+            f"for the shards, {format_bytes(free)} ({free} bytes) free",
+            hint=FULL_HINT,
+        )
 
 
 def pack(
@@ -166,10 +244,31 @@ def pack(
 
     Shards hold files in path order, at most ``shard_size`` bytes each; the
     ranks write different shards.  ``out/bbio-pack.json`` is written last.
+    Every rank must pass the same arguments; ``out`` (one directory, no
+    ``{node}``) must not lie inside ``src`` and needs room for the shards,
+    which is checked first: else every rank raises the same error.
     """
     config = config or load_config()
+    same_arguments(
+        comm,
+        "pack",
+        {
+            "src": src,
+            "out": out,
+            "shard_size": shard_size,
+            "include": include,
+            "exclude": exclude,
+            "ranks_per_node": config.ranks_per_node,
+        },
+    )
+    for path, what in ((src, "source"), (out, "output directory")):
+        check_no_node(path, what, "pack")
     start = time.monotonic()
     src, out = Path(src), config.expand(out)
+    with agreed(comm, f"pack: checking {out}"):
+        if comm.Get_rank() == 0:
+            check_outside(src, out)
+            check_destination(out)
     topo = topology(comm, config.ranks_per_node)
     threads = config.stage_threads(topo.node_comm.Get_size())
     topo.free()
@@ -179,9 +278,13 @@ def pack(
     firsts = [0]
     for group in shards[:-1]:
         firsts.append(firsts[-1] + len(group))
-    with agreed(comm, f"pack: creating {out}"):
+    with agreed(comm, f"pack: creating {out} and checking its free space"):
         if comm.Get_rank() == 0:
-            out.mkdir(parents=True, exist_ok=True)
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise from_oserror(exc, "create the output directory", out) from None
+            _check_capacity(out, shards)
     infos: list[ShardInfo] = []
     with agreed(comm, "pack: writing shards"):
         for index in deal(list(range(len(shards))), comm):
@@ -200,7 +303,14 @@ def pack(
                     "shards": [dataclasses.asdict(i) for i in infos],
                 },
             )
-    return PackSummary(len(tree.files), len(infos), tree.total_bytes, time.monotonic() - start)
+    unmatched = (include or exclude) and not tree.files
+    return PackSummary(
+        len(tree.files),
+        len(infos),
+        tree.total_bytes,
+        time.monotonic() - start,
+        ["--include/--exclude selected no file of the source"] if unmatched else [],
+    )
 
 
 def read_index(out: str | os.PathLike) -> list[ShardInfo]:

@@ -24,16 +24,35 @@ from bbio import _native
 from bbio.config import Config, load_config
 from bbio.errors import (
     AlreadyExistsError,
+    BBIOError,
     IntegrityError,
     NoSpaceError,
     UsageError,
+    from_oserror,
 )
-from bbio.mpi import Topology, agreed, allgather_dict, deal, sum_over_ranks, topology
+from bbio.mpi import (
+    Topology,
+    agreed,
+    agreed_allgather,
+    allgather_dict,
+    deal,
+    same_arguments,
+    sum_over_ranks,
+    topology,
+)
 from bbio.report import format_bytes, format_table
 from bbio.stage import plan, registry
-from bbio.stage.executors import Outcome, copy_broadcast, copy_direct, make_columns
+from bbio.stage.executors import Outcome, copy_broadcast, copy_direct, located, make_columns
 from bbio.stage.progress import Progress
-from bbio.stage.walk import Skipped, check_readable, walk
+from bbio.stage.walk import (
+    Skipped,
+    check_destination,
+    check_no_node,
+    check_outside,
+    check_readable,
+    check_source,
+    walk,
+)
 from bbio.transfer import files
 from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry, Manifest
 
@@ -59,6 +78,7 @@ class StageSummary:
     seconds: float
     verified: bool
     skipped: list[Skipped]
+    warnings: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def gb_per_s(self) -> float:
@@ -80,27 +100,43 @@ class StageSummary:
             ("skipped", len(self.skipped)),
         ]
         title = f"bbio {self.operation}" + (f" ({self.mode})" if self.mode else "")
-        return title + "\n" + format_table(["", ""], rows)
+        notes = "".join(f"\nwarning: {w}" for w in self.warnings)
+        return title + "\n" + format_table(["", ""], rows) + notes
 
 
 # -------------------------------------------------------------------- helpers
 
 
 def dest_state(comm, root: Path, paths: Sequence[str]) -> dict[str, plan.DestState]:
-    """Collective over ``comm``: what ``root/path`` holds now, for every path (lstat, dealt out)."""
-    found, base = {}, os.fspath(root)
-    for path in deal(paths, comm):
-        try:
-            st = os.lstat(f"{base}/{path}")
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        if stat.S_ISLNK(st.st_mode):
-            found[path] = plan.DestState(SYMLINK, 0, st.st_mtime_ns, os.readlink(f"{base}/{path}"))
-        elif stat.S_ISDIR(st.st_mode):
-            found[path] = plan.DestState(DIR, 0, st.st_mtime_ns)
-        else:
-            found[path] = plan.DestState(FILE, st.st_size, st.st_mtime_ns)
-    return allgather_dict(comm, found)
+    """Collective over ``comm``: what ``root/path`` holds now, for every path (lstat, dealt out).
+
+    A path that cannot be looked at fails the call on every rank of ``comm``.
+    """
+    base = os.fspath(root)
+
+    def look() -> dict[str, plan.DestState]:
+        found = {}
+        for path in deal(paths, comm):
+            full = f"{base}/{path}"
+            try:
+                st = os.lstat(full)
+                target = os.readlink(full) if stat.S_ISLNK(st.st_mode) else None
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as exc:
+                raise from_oserror(exc, "look at the destination", full) from None
+            if target is not None:
+                found[path] = plan.DestState(SYMLINK, 0, st.st_mtime_ns, target)
+            elif stat.S_ISDIR(st.st_mode):
+                found[path] = plan.DestState(DIR, 0, st.st_mtime_ns)
+            else:
+                found[path] = plan.DestState(FILE, st.st_size, st.st_mtime_ns)
+        return found
+
+    merged: dict[str, plan.DestState] = {}
+    for part in agreed_allgather(comm, f"looking at {root}", look):
+        merged.update(part)
+    return merged
 
 
 def _without(entries: Iterable[Entry], paths: set[str]) -> list[Entry]:
@@ -111,16 +147,24 @@ def _without(entries: Iterable[Entry], paths: set[str]) -> list[Entry]:
     ]
 
 
-def _check_capacity(root: Path, needed: int, node: int | None) -> None:
+def _check_capacity(root: Path, needed: int, node: int | None, hint: str) -> None:
+    """Raise :class:`NoSpaceError` unless the file system of ``root`` has ``needed`` bytes
+    free.  Not collective."""
     free = files.free_bytes(root)
     if needed > free:
         raise NoSpaceError(
             f"{root} needs {format_bytes(needed)} ({needed} bytes) for this transfer, "
             f"{format_bytes(free)} ({free} bytes) free",
             node=node,
-            hint="free space there, stage fewer files (--include/--exclude), "
-            "or use --mode shard to spread the files over the nodes",
+            hint=hint,
         )
+
+
+def _nothing_selected(entries: Sequence[Entry], include, exclude) -> list[str]:
+    """The warning when filters left no file or symlink to transfer."""
+    if (include or exclude) and all(e.kind == DIR for e in entries):
+        return ["--include/--exclude selected no file of the source: nothing was copied"]
+    return []
 
 
 def remove_leftovers(comm, root: Path, dirs: Sequence[Entry]) -> int:
@@ -129,23 +173,50 @@ def remove_leftovers(comm, root: Path, dirs: Sequence[Entry]) -> int:
     Looks in ``root`` and the tree's directories (dealt out over the ranks);
     returns how many were removed.  Frees their space before the capacity check.
     """
-    removed = 0
-    for rel in deal(["", *(d.path for d in dirs)], comm):
+
+    def remove() -> int:
+        removed = 0
+        for rel in deal(["", *(d.path for d in dirs)], comm):
+            try:
+                with os.scandir(root / rel) as it:
+                    leftovers = [
+                        e.path for e in it if files.is_temp_name(e.name) and not e.is_dir()
+                    ]
+                for path in leftovers:
+                    os.unlink(path)
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # not created yet
+            except OSError as exc:
+                raise from_oserror(
+                    exc, "remove an earlier run's temporary files", root / rel
+                ) from None
+            removed += len(leftovers)
+        return removed
+
+    return sum(agreed_allgather(comm, f"removing what an interrupted run left in {root}", remove))
+
+
+def _remove_temps(root: Path, paths: Iterable[str]) -> None:
+    """Delete the temporary files of ``paths`` under ``root`` (best effort).  Not collective."""
+    for path in paths:
         try:
-            with os.scandir(root / rel) as it:
-                leftovers = [e.path for e in it if files.is_temp_name(e.name) and not e.is_dir()]
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for path in leftovers:
-            os.unlink(path)
-        removed += len(leftovers)
-    return sum_over_ranks(comm, removed)[0]
+            files.temp_path(root / path).unlink(missing_ok=True)
+        except OSError:
+            continue  # the next run removes it (remove_leftovers)
 
 
-def _make_dirs(root: Path, dirs: Iterable[Entry]) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    for d in dirs:
-        (root / d.path).mkdir(parents=True, exist_ok=True)
+def _make_dirs(root: Path, dirs: Iterable[Entry], node: int | None) -> None:
+    for path in (root, *(root / d.path for d in dirs)):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise from_oserror(
+                exc,
+                "create the directory",
+                path,
+                node=node,
+                hint="choose a destination you may write to, or move what is in the way",
+            ) from None
 
 
 def _finish_dirs(root: Path, dirs: Sequence[Entry]) -> None:
@@ -290,44 +361,52 @@ def _copy_round(job: _Transfer, todo: list[Entry], progress: Progress) -> _Copie
             pieces = plan.split_pieces(node_files, config.chunk_size)
             by_rank = plan.partition(pieces, topo.node_comm.Get_size())
             owner = plan.owners(by_rank)
-        with agreed(comm, f"{label}: preparing temporary files"):
-            me = topo.node_comm.Get_rank()
-            for e in node_files:
-                if owner[e.path] == me and (broadcast or e.size > config.chunk_size):
-                    files.prepare(dst_root / e.path, e.size)
+        me = topo.node_comm.Get_rank()
         outcome = Outcome()
-        threads = config.stage_threads(topo.node_comm.Get_size())
-        with agreed(comm, f"{label}: copying"):
-            if broadcast:
-                outcome = copy_broadcast(
-                    columns,
-                    pieces,
-                    topo.nodes,
-                    {e.path for e in node_files},
-                    entries,
-                    src_root,
-                    dst_root,
-                    progress,
-                    config.replicate_round_bytes,
-                    threads,
-                )
-            else:
-                outcome = copy_direct(
-                    topo.node_comm,
-                    by_rank,
-                    entries,
-                    src_root,
-                    dst_root,
-                    progress,
-                    config.copy_buffer_size,
-                    threads,
-                )
-        if broadcast and columns.comm is not None:
-            columns.comm.Free()
         crcs: dict[str, int] = {}
         changed: set[str] = set()
-        with agreed(comm, f"{label}: committing files"):
-            crcs, changed = _commit_node(topo.node_comm, dst_root, node_files, owner, outcome)
+        try:
+            with agreed(comm, f"{label}: preparing temporary files"), located(topo.node):
+                for e in node_files:
+                    if owner[e.path] == me and (broadcast or e.size > config.chunk_size):
+                        files.prepare(dst_root / e.path, e.size)
+            threads = config.stage_threads(topo.node_comm.Get_size())
+            with agreed(comm, f"{label}: copying"):
+                if broadcast:
+                    outcome = copy_broadcast(
+                        columns,
+                        pieces,
+                        topo.nodes,
+                        {e.path for e in node_files},
+                        entries,
+                        src_root,
+                        dst_root,
+                        progress,
+                        config.replicate_round_bytes,
+                        threads,
+                    )
+                else:
+                    with located(topo.node):
+                        outcome = copy_direct(
+                            topo.node_comm,
+                            by_rank,
+                            entries,
+                            src_root,
+                            dst_root,
+                            progress,
+                            config.copy_buffer_size,
+                            threads,
+                        )
+            with agreed(comm, f"{label}: committing files"), located(topo.node):
+                crcs, changed = _commit_node(topo.node_comm, dst_root, node_files, owner, outcome)
+        except BBIOError:
+            # every rank failed alike and none writes any more: drop this round's temporary
+            # files, which would fill the device until the next run
+            _remove_temps(dst_root, [e.path for e in node_files if owner[e.path] == me])
+            raise
+        finally:
+            if broadcast and columns.comm is not None:
+                columns.comm.Free()
         node_crcs = allgather_dict(topo.node_comm, crcs)
         changed = set().union(*topo.node_comm.allgather(changed))
         copied.crcs.update(node_crcs)
@@ -388,29 +467,66 @@ def _crcs_of_unchanged(
             crcs[e.path] = previous.crc32c
         else:
             unknown.append(e)
-    computed = {e.path: files.checksum_file(root / e.path)[1] for e in deal(unknown, node_comm)}
-    return {**crcs, **allgather_dict(node_comm, computed)}
+    parts = agreed_allgather(
+        node_comm,
+        f"reading the files already in {root}",
+        lambda: {e.path: files.checksum_file(root / e.path)[1] for e in deal(unknown, node_comm)},
+    )
+    for part in parts:
+        crcs.update(part)
+    return crcs
 
 
 def _verify_copies(
     comm, root: Path, crcs: dict[str, int], entries: dict[str, Entry], node: int | None
 ) -> None:
-    """Collective over ``comm``: re-read the files of ``crcs`` from the device and compare."""
-    bad = []
-    for path in deal(sorted(crcs), comm):
-        size, crc = files.checksum_file(root / path, drop_cache=True)
-        if size != entries[path].size or crc != crcs[path]:
-            bad.append(
-                f"{root / path} (expected {entries[path].size} bytes, CRC32C "
-                f"{crcs[path]:08x}; read {size} bytes, {crc:08x})"
-            )
-    bad = sorted(b for part in comm.allgather(bad) for b in part)
+    """Collective over ``comm``: re-read the files of ``crcs`` from the device and compare.
+
+    A copy that differs is deleted (its source is untouched), so that the next
+    run, which skips files of the source's size and mtime, copies it again.
+    """
+
+    def check() -> list[str]:
+        bad = []
+        for path in deal(sorted(crcs), comm):
+            size, crc = files.checksum_file(root / path, drop_cache=True)
+            if size != entries[path].size or crc != crcs[path]:
+                try:
+                    (root / path).unlink()
+                except OSError as exc:
+                    raise from_oserror(exc, "delete the damaged copy", root / path) from None
+                bad.append(
+                    f"{root / path} (expected {entries[path].size} bytes, CRC32C "
+                    f"{crcs[path]:08x}; read {size} bytes, {crc:08x})"
+                )
+        return bad
+
+    bad = sorted(b for part in agreed_allgather(comm, f"re-reading {root}", check) for b in part)
     if bad:
         raise IntegrityError(
-            f"{len(bad)} file(s) differ from what was copied: " + "; ".join(bad[:10]),
+            f"{len(bad)} file(s) differ from what was copied and were deleted: "
+            + "; ".join(bad[:10]),
             node=node,
             hint="the device may be failing; rerun the command to copy them again",
         )
+
+
+def _agree_on_arguments(comm, what: str, config: Config, arguments: dict[str, Any]) -> None:
+    """Collective over ``comm``: the same :class:`UsageError` on every rank unless every
+    rank passed the same ``arguments`` and the settings that shape the plan, and
+    ``include``/``exclude`` (in ``arguments``) are lists of globs."""
+    plan_settings = ("ranks_per_node", "chunk_size", "stage_round_bytes", "replicate_round_bytes")
+    same_arguments(
+        comm,
+        what,
+        {**arguments, **{name: getattr(config, name) for name in plan_settings}},
+    )
+    for name in ("include", "exclude"):
+        if isinstance(arguments.get(name), (str, bytes)):
+            raise UsageError(
+                f"{what}: {name} must be a list of globs, not the string {arguments[name]!r}",
+                hint=f"pass {name}=[{arguments[name]!r}]",
+            )
 
 
 # -------------------------------------------------------------------- stage-in
@@ -436,10 +552,29 @@ def stage_in(
     copy only what is missing or different.  Each node's ``dst/.bbio/manifest.json``
     (written last) lists every file, its CRC32C and the node that holds it.
     Returns the same summary on every rank.
+
+    Every rank must pass the same arguments, and ``dst`` must not lie inside
+    ``src``: else every rank raises the same :class:`UsageError`.  A copy that
+    ``verify`` finds damaged is deleted, so that a rerun copies it again.
     """
     config = config or load_config()
+    _agree_on_arguments(
+        comm,
+        "stage-in",
+        config,
+        {
+            "src": src,
+            "dst": dst,
+            "mode": mode,
+            "verify": verify,
+            "include": include,
+            "exclude": exclude,
+            "skip_unreadable": skip_unreadable,
+        },
+    )
     if mode not in MODES:
         raise UsageError(f"unknown stage-in mode {mode!r}", hint=f"use one of {', '.join(MODES)}")
+    check_no_node(src, "source", "stage-in")
     start = time.monotonic()
     topo = topology(comm, config.ranks_per_node)
     try:
@@ -463,6 +598,10 @@ def stage_in(
 def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreadable, config, start):
     dst_root = config.node_dir(dst, topo.node, topo.nodes_on_host)
     bb_dir = config.node_dir(config.bb_root, topo.node, topo.nodes_on_host)  # its registry
+    with agreed(comm, "stage-in: checking the destination"):
+        if topo.is_leader:
+            check_outside(src, dst_root, topo.node)
+            check_destination(dst_root, topo.node)
     listers = config.stage_threads(topo.node_comm.Get_size())
     tree = walk(comm, src, include, exclude, listers)
     problems = check_readable(tree, skip_unreadable, str(src))
@@ -475,16 +614,24 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     )
     mine = [e for e in entries if e.kind != FILE or holder.get(e.path, topo.node) == topo.node]
     dirs = [e for e in mine if e.kind == DIR]
-    current = dest_state(topo.node_comm, dst_root, [e.path for e in mine])
+    current: dict[str, plan.DestState] = {}
+    with agreed(comm, "stage-in: looking at the destination"):
+        current = dest_state(topo.node_comm, dst_root, [e.path for e in mine])
     todo = plan.to_copy(mine, current)
     with agreed(comm, "stage-in: removing what an interrupted run left"):
         remove_leftovers(topo.node_comm, dst_root, dirs)
     with agreed(comm, "stage-in: checking burst-buffer space"):
         if topo.is_leader:
-            _check_capacity(dst_root, plan.bytes_needed(todo), topo.node)
+            _check_capacity(
+                dst_root,
+                plan.bytes_needed(todo),
+                topo.node,
+                "free space there, stage fewer files (--include/--exclude), "
+                "or use --mode shard to spread the files over the nodes",
+            )
     with agreed(comm, "stage-in: creating directories"):
         if topo.is_leader:
-            _make_dirs(dst_root, dirs)
+            _make_dirs(dst_root, dirs, topo.node)
     old = None
     with agreed(comm, "stage-in: reading the previous manifest"):
         old = files.read_manifest(dst_root)
@@ -530,6 +677,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
                         "node": topo.node,
                         "verified": verify,
                         "skipped": [dataclasses.asdict(s) for s in skipped],
+                        "complete": not (include or exclude or skipped),
                     },
                 ),
             )
@@ -556,6 +704,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
         seconds=seconds,
         verified=verify,
         skipped=skipped,
+        warnings=_nothing_selected(entries, include, exclude),
     )
 
 
@@ -591,8 +740,27 @@ def stage_out(
     several nodes hold in different versions is refused before anything is
     copied.  Identical versions (same size and mtime) are written once.
     ``dst/.bbio/manifest.json`` is written last.
+
+    Every rank must pass the same arguments, every node must hold ``src``, and
+    ``dst`` (one directory for all nodes: no ``{node}``) must not lie inside a
+    node's ``src``: else every rank raises the same error.  A copy that
+    ``verify`` finds damaged is deleted, so that a rerun copies it again.
     """
     config = config or load_config()
+    _agree_on_arguments(
+        comm,
+        "stage-out",
+        config,
+        {
+            "src": src,
+            "dst": dst,
+            "verify": verify,
+            "include": include,
+            "exclude": exclude,
+            "skip_unreadable": skip_unreadable,
+        },
+    )
+    check_no_node(dst, "destination", "stage-out")
     start = time.monotonic()
     topo = topology(comm, config.ranks_per_node)
     try:
@@ -614,8 +782,16 @@ def stage_out(
 
 def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreadable, config, start):
     src_root = config.node_dir(src, topo.node, topo.nodes_on_host)
+    with agreed(comm, "stage-out: checking the sources and the destination"):
+        if topo.is_leader:
+            check_source(src_root, topo.node)
+            check_outside(src_root, dst_root, topo.node)
+        if comm.Get_rank() == 0:
+            check_destination(dst_root)
     listers = config.stage_threads(topo.node_comm.Get_size())
-    tree = walk(topo.node_comm, src_root, include, exclude, listers)
+    tree = None
+    with agreed(comm, "stage-out: walking the source of every node"):
+        tree = walk(topo.node_comm, src_root, include, exclude, listers)
     problems: list[Skipped] = []
     with agreed(comm, "stage-out: checking that every source file is readable"):
         problems = check_readable(tree, skip_unreadable, f"{src_root} (node {topo.node})")
@@ -645,13 +821,17 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
     )
     current = dest_state(comm, dst_root, [e.path for e in everything])
     todo_all = plan.to_copy(everything, current)
-    with agreed(comm, "stage-out: removing what an interrupted run left"):
-        remove_leftovers(comm, dst_root, dirs)
+    remove_leftovers(comm, dst_root, dirs)
     mine = [e for e in todo_all if chosen[e.path] == topo.node]
     with agreed(comm, "stage-out: checking space and creating directories"):
         if comm.Get_rank() == 0:
-            _check_capacity(dst_root, plan.bytes_needed(todo_all), None)
-            _make_dirs(dst_root, dirs)
+            _check_capacity(
+                dst_root,
+                plan.bytes_needed(todo_all),
+                None,
+                "free space there, or stage out fewer files (--include/--exclude)",
+            )
+            _make_dirs(dst_root, dirs, None)
     comm.Barrier()
     old = None
     with agreed(comm, "stage-out: reading the previous manifest"):
@@ -710,4 +890,5 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
         seconds=comm.allreduce(time.monotonic() - start, op=_max()),
         verified=verify,
         skipped=skipped,
+        warnings=_nothing_selected(everything, include, exclude),
     )

@@ -15,9 +15,9 @@ from pathlib import Path
 
 from bbio.config import Config, load_config
 from bbio.errors import IntegrityError, NotFoundError
-from bbio.mpi import agreed, deal, sum_over_ranks, topology
+from bbio.mpi import agreed, deal, same_arguments, sum_over_ranks, topology
 from bbio.report import format_bytes, format_table
-from bbio.stage.walk import symlink_target
+from bbio.stage.walk import check_source, symlink_target
 from bbio.transfer import files
 from bbio.transfer.manifest import FILE, SYMLINK, Entry, Manifest
 
@@ -87,6 +87,8 @@ def verify(
     :class:`IntegrityError` naming every file that differs or is missing.
     """
     config = config or load_config()
+    arguments = {"src": src, "dst": dst, "ranks_per_node": config.ranks_per_node}
+    same_arguments(comm, "verify", arguments)
     topo = topology(comm, config.ranks_per_node)
     try:
         src_per_node, dst_per_node = NODE in os.fspath(src), NODE in os.fspath(dst)
@@ -94,6 +96,7 @@ def verify(
         dst_root = config.expand(dst, node=topo.node)
         manifest: Manifest | None = None
         with agreed(comm, "verify: reading the manifest"):
+            check_source(src_root, topo.node if src_per_node else None)
             manifest = files.read_manifest(dst_root)
             if manifest is None:
                 raise NotFoundError(
@@ -128,7 +131,8 @@ def verify(
         if problems:
             raise IntegrityError(
                 f"{len(problems)} difference(s): " + "; ".join(problems[:20]),
-                hint="rerun the transfer to copy the differing files again",
+                hint="delete the differing destination copies, then rerun the transfer: it "
+                "copies what is missing (a rerun alone keeps a copy whose size and mtime match)",
             )
         return VerifyReport(checked, read, problems)
     finally:

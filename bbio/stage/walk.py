@@ -8,6 +8,10 @@ those stats from the attributes the listing brought along (FUSE and NFS
 READDIRPLUS, Lustre's statahead), which they keep for about a second: a stat
 made later, or by another client, is a round trip to the servers.  Symlinks
 are never followed.  A listing that fails on one rank fails the walk on all.
+
+Also here: the checks of a transfer's paths made before anything is copied
+(the source exists, the destination can be written and is not inside the
+source, ``{node}`` only where it applies).
 """
 
 from __future__ import annotations
@@ -20,7 +24,13 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from bbio.errors import NotDirectoryError, NotFoundError, PermissionDeniedError
+from bbio.errors import (
+    NotDirectoryError,
+    NotFoundError,
+    PermissionDeniedError,
+    UsageError,
+    from_oserror,
+)
 from bbio.mpi import agreed, agreed_allgather
 from bbio.transfer.files import is_temp_name
 from bbio.transfer.manifest import DIR, FILE, META_DIR, SYMLINK, Entry, sorted_entries
@@ -190,12 +200,83 @@ def _flatten(lists: list[list]) -> list:
     return [item for sub in lists for item in sub]
 
 
-def check_source(root: Path) -> None:
-    """Raise a clear error unless ``root`` is an existing directory.  Not collective."""
+def check_source(root: Path, node: int | None = None) -> None:
+    """Raise a clear error unless ``root`` is an existing directory.  Not collective.
+
+    ``node`` is named in the error (a per-node source).
+    """
     if not root.exists():
-        raise NotFoundError("the source does not exist", path=root)
+        raise NotFoundError(
+            "the source does not exist",
+            path=root,
+            node=node,
+            hint=None if node is None else "check the path, or create it (empty) on every node",
+        )
     if not root.is_dir():
-        raise NotDirectoryError("the source is not a directory", path=root)
+        raise NotDirectoryError("the source is not a directory", path=root, node=node)
+
+
+def check_destination(root: Path, node: int | None = None) -> None:
+    """Raise a clear error unless ``root`` is a directory this process may write in, or
+    can be created.  Not collective.
+
+    Looks at ``root``, or else at its nearest existing parent: it must be a
+    directory that may be written (a read-only file system fails here too).
+    """
+    for candidate in (root, *root.parents):
+        try:
+            st = os.stat(candidate)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not there yet (the parent that is a file is found next)
+        except OSError as exc:
+            raise from_oserror(
+                exc,
+                "look at the destination",
+                candidate,
+                node=node,
+                hint="choose a destination you may write to, or fix its permissions",
+            ) from None
+        what = "the destination" if candidate == root else f"{candidate}, in the destination,"
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotDirectoryError(
+                f"{what} is not a directory",
+                path=root,
+                node=node,
+                hint="choose another destination, or move that file away",
+            )
+        if not os.access(candidate, os.W_OK | os.X_OK):
+            raise PermissionDeniedError(
+                f"{what} may not be written (permission denied or a read-only file system)",
+                path=root,
+                node=node,
+                hint="choose a destination you may write to, or fix its permissions",
+            )
+        return
+
+
+def check_outside(src: Path, dst: Path, node: int | None = None) -> None:
+    """Raise :class:`UsageError` if ``dst`` is ``src`` or inside it (symlinks resolved):
+    every run would copy its own copies again.  Not collective."""
+    real_src, real_dst = os.path.realpath(src), os.path.realpath(dst)
+    if os.path.commonpath([real_src, real_dst]) == real_src:
+        where = "is the source" if real_src == real_dst else f"is inside the source {src}"
+        raise UsageError(
+            f"the destination {dst} {where}",
+            node=node,
+            hint="each run would copy its own copies again; choose a destination outside "
+            "the source",
+        )
+
+
+def check_no_node(path: str | os.PathLike, what: str, command: str) -> None:
+    """Raise :class:`UsageError` if ``path`` contains ``{node}`` where ``command`` has one
+    directory for all nodes.  Not collective."""
+    if "{node}" in os.fspath(path):
+        raise UsageError(
+            f"{command}: {what} {os.fspath(path)} contains {{node}}, but {command} has one "
+            f"{what} shared by every node",
+            hint=f"remove {{node}} from the {what}",
+        )
 
 
 def walk(

@@ -1,0 +1,330 @@
+"""Staging and pack given arguments or paths they cannot work with, or meeting a full or
+damaged device: the same clear error on every rank, never a hang, a raw traceback, a
+copy of the copies or advice that does not work.  On 2 or 4 ranks in 2 virtual nodes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import bbio
+from bbio.stage import pack as pack_module
+from tests.test_stage import files_under, same_on_all_ranks, two_nodes
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+
+
+def same_everywhere(comm, error: BaseException) -> str:
+    message = str(error)
+    assert same_on_all_ranks(comm, message), message
+    return message
+
+
+@pytest.fixture
+def src(comm, shared_tmp) -> Path:
+    """A small source tree on the shared 'PFS'."""
+    root = shared_tmp / "pfs" / "src"
+    if comm.Get_rank() == 0:
+        for i in range(6):
+            (root / f"d{i % 2}").mkdir(parents=True, exist_ok=True)
+            (root / f"d{i % 2}" / f"f{i}.bin").write_bytes(bytes([i]) * (1000 * (i + 1)))
+    comm.Barrier()
+    return root
+
+
+@contextlib.contextmanager
+def tmpfs(comm, where: Path, size: str, *options: str):
+    """Rank 0 mounts a tmpfs of ``size`` at ``where`` for the block (every rank waits)."""
+    if comm.Get_rank() == 0:
+        where.mkdir(parents=True, exist_ok=True)
+        spec = ",".join([f"size={size}", *options])
+        subprocess.run(["mount", "-t", "tmpfs", "-o", spec, "tmpfs", str(where)], check=True)
+    comm.Barrier()
+    try:
+        yield where
+    finally:
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            subprocess.run(["umount", str(where)], check=True)
+
+
+def temp_files(root: Path) -> list[Path]:
+    return list(root.rglob("*.bbio-part"))
+
+
+# ------------------------------------------------------------ 1. a source missing on one node
+
+
+def test_stage_out_with_a_source_missing_on_one_node_fails_alike_everywhere(comm, shared_tmp):
+    if comm.Get_rank() == 0:
+        (shared_tmp / "bb" / "0" / "only").mkdir(parents=True)
+        (shared_tmp / "bb" / "0" / "only" / "a.txt").write_bytes(b"node 0's output")
+    comm.Barrier()
+    with pytest.raises(bbio.NotFoundError) as info:
+        bbio.stage_out(
+            comm,
+            shared_tmp / "bb" / "{node}" / "only",
+            shared_tmp / "pfs" / "out",
+            config=two_nodes(comm, shared_tmp),
+        )
+    message = same_everywhere(comm, info.value)
+    assert "node 1: the source does not exist" in message, message
+    assert str(shared_tmp / "bb" / "1" / "only") in message, message
+    assert not (shared_tmp / "pfs" / "out").exists()
+
+
+# ------------------------------------------------- 2. different arguments on one rank
+
+
+@pytest.mark.parametrize(
+    ("call", "on_rank_1", "named"),
+    [
+        ("stage_in", {"verify": True}, "verify"),
+        ("stage_in", {"mode": "shard"}, "mode"),
+        ("stage_in", {"include": ["d0/*"]}, "include"),
+        ("stage_in", {"src": "elsewhere"}, "src"),
+        ("stage_out", {"verify": True}, "verify"),
+        ("pack", {"shard_size": 1000}, "shard_size"),
+        ("verify", {"dst": "elsewhere"}, "dst"),
+    ],
+    ids=[
+        "stage-in-verify",
+        "stage-in-mode",
+        "stage-in-include",
+        "stage-in-src",
+        "stage-out",
+        "pack",
+        "verify",
+    ],
+)
+def test_different_arguments_on_one_rank_are_one_usage_error(
+    comm, shared_tmp, src, call, on_rank_1, named
+):
+    config = two_nodes(comm, shared_tmp)
+    if call == "stage_in":
+        arguments = {"src": src, "dst": shared_tmp / "bb" / "{node}" / "a"}
+    elif call == "stage_out":
+        arguments = {"src": shared_tmp / "bb" / "{node}" / "a", "dst": shared_tmp / "out"}
+    elif call == "verify":
+        arguments = {"src": src, "dst": shared_tmp / "bb" / "{node}" / "a"}
+    else:
+        arguments = {"src": src, "out": shared_tmp / "packed"}
+    if comm.Get_rank() == 1:
+        arguments.update(on_rank_1)
+    with pytest.raises(bbio.UsageError) as info:
+        getattr(bbio, call)(comm, config=config, **arguments)
+    message = same_everywhere(comm, info.value)
+    assert "the ranks passed different arguments" in message, message
+    assert f"({named}: rank 0 " in message, message
+    assert not (shared_tmp / "bb").exists() and not (shared_tmp / "packed").exists()
+
+
+def test_verify_of_a_source_that_does_not_exist_says_so(comm, shared_tmp, src):
+    config = two_nodes(comm, shared_tmp)
+    dst = shared_tmp / "bb" / "{node}" / "w"
+    bbio.stage_in(comm, src, dst, config=config)
+    with pytest.raises(bbio.NotFoundError) as info:
+        bbio.verify(comm, shared_tmp / "pfs" / "gone", dst, config=config)
+    assert "the source does not exist" in same_everywhere(comm, info.value)
+
+
+# -------------------------------------------------- 3. a destination inside the source
+
+
+def test_a_destination_inside_the_source_is_refused(comm, shared_tmp, src):
+    config = two_nodes(comm, shared_tmp)
+    with pytest.raises(bbio.UsageError) as info:
+        bbio.stage_in(comm, src, src / "copy" / "{node}", config=config)
+    message = same_everywhere(comm, info.value)
+    assert f"the destination {src / 'copy' / '0'} is inside the source {src}" in message
+    with pytest.raises(bbio.UsageError) as info:
+        bbio.pack(comm, src, src / "packed", config=config)
+    message = same_everywhere(comm, info.value)
+    assert f"the destination {src / 'packed'} is inside the source {src}" in message
+    assert not (src / "copy").exists() and not (src / "packed").exists()
+
+    out = shared_tmp / "bb" / "1" / "out"
+    if comm.Get_rank() == 0:
+        for node in (0, 1):
+            (shared_tmp / "bb" / str(node) / "out").mkdir(parents=True)
+            (shared_tmp / "bb" / str(node) / "out" / f"n{node}.txt").write_bytes(b"result")
+    comm.Barrier()
+    with pytest.raises(bbio.UsageError) as info:
+        bbio.stage_out(comm, shared_tmp / "bb" / "{node}" / "out", out / "merged", config=config)
+    message = same_everywhere(comm, info.value)
+    assert f"node 1: the destination {out / 'merged'} is inside the source {out}" in message
+    assert not (out / "merged").exists()
+
+
+# ----------------------------------- 4. a damaged copy: the advice to rerun must work
+
+
+def test_a_copy_found_damaged_is_copied_again_by_the_next_run(comm, shared_tmp, src):
+    config = two_nodes(comm, shared_tmp)
+    dst = shared_tmp / "bb" / "{node}" / "v"
+    bbio.stage_in(comm, src, dst, config=config)
+    victim = shared_tmp / "bb" / "1" / "v" / "d1" / "f3.bin"
+    comm.Barrier()
+    if comm.Get_rank() == 0:  # one byte flipped, size and mtime kept: a failing device
+        st = victim.stat()
+        with open(victim, "r+b") as f:
+            f.seek(10)
+            byte = f.read(1)[0]
+            f.seek(10)
+            f.write(bytes([byte ^ 0xFF]))
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    comm.Barrier()
+    with pytest.raises(bbio.IntegrityError) as info:
+        bbio.stage_in(comm, src, dst, verify=True, config=config)
+    message = same_everywhere(comm, info.value)
+    assert str(victim) in message and "rerun the command" in message, message
+    assert "were deleted" in message and not victim.exists()
+    again = bbio.stage_in(comm, src, dst, verify=True, config=config)
+    assert again.verified and again.files == 1  # the damaged copy, on node 1
+    assert victim.read_bytes() == (src / "d1" / "f3.bin").read_bytes()
+    assert files_under(shared_tmp / "bb" / "1" / "v") == files_under(src)
+
+
+# ------------------------------------------------ 5. destinations that cannot be used
+
+
+def test_a_destination_that_is_not_a_directory_is_named(comm, shared_tmp, src):
+    config = two_nodes(comm, shared_tmp)
+    if comm.Get_rank() == 0:
+        for node in (0, 1):
+            (shared_tmp / "files" / str(node)).parent.mkdir(exist_ok=True)
+            (shared_tmp / "files" / str(node)).write_bytes(b"a file, not a directory")
+        (shared_tmp / "a-file").write_bytes(b"a file, not a directory")
+    comm.Barrier()
+    with pytest.raises(bbio.NotDirectoryError) as info:
+        bbio.stage_in(comm, src, shared_tmp / "files" / "{node}", config=config)
+    message = same_everywhere(comm, info.value)
+    assert "node 0: the destination is not a directory" in message, message
+    assert str(shared_tmp / "files" / "0") in message and "move that file away" in message
+    with pytest.raises(bbio.NotDirectoryError) as info:
+        bbio.stage_in(comm, src, shared_tmp / "a-file" / "{node}" / "x", config=config)
+    message = same_everywhere(comm, info.value)
+    assert f"{shared_tmp / 'a-file'}, in the destination, is not a directory" in message
+    with pytest.raises(bbio.NotDirectoryError) as info:
+        bbio.pack(comm, src, shared_tmp / "a-file", config=config)
+    assert "the destination is not a directory" in same_everywhere(comm, info.value)
+    if comm.Get_rank() == 0:
+        (shared_tmp / "bb" / "0" / "o").mkdir(parents=True)
+        (shared_tmp / "bb" / "1" / "o").mkdir(parents=True)
+    comm.Barrier()
+    with pytest.raises(bbio.NotDirectoryError) as info:
+        bbio.stage_out(
+            comm, shared_tmp / "bb" / "{node}" / "o", shared_tmp / "a-file", config=config
+        )
+    assert "the destination is not a directory" in same_everywhere(comm, info.value)
+    assert (shared_tmp / "a-file").read_bytes() == b"a file, not a directory"
+
+
+@needs_root
+def test_a_read_only_destination_is_named(comm, shared_tmp, src):
+    with tmpfs(comm, shared_tmp / "ro", "1m", "ro") as ro:
+        with pytest.raises(bbio.PermissionDeniedError) as info:
+            bbio.stage_in(comm, src, ro / "{node}" / "x", config=two_nodes(comm, shared_tmp))
+        message = same_everywhere(comm, info.value)
+        assert f"node 0: {ro}, in the destination, may not be written" in message, message
+        assert "Choose a destination you may write to" in message, message
+
+
+# --------------------------------------------------------------- 6. full devices
+
+
+@needs_root
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_a_burst_buffer_that_fills_up_during_the_copy(comm, shared_tmp, mode):
+    """600 files of 100 bytes pass the capacity check of a 1 MiB tmpfs (60 kB), but take
+    a 4 KiB page each: node 1's burst buffer fills up midway through the copy."""
+    src = shared_tmp / "pfs" / "tiny"
+    if comm.Get_rank() == 0:
+        src.mkdir(parents=True)
+        for i in range(600):
+            (src / f"t{i:03d}.bin").write_bytes(bytes([i % 256]) * 100)
+    config = two_nodes(comm, shared_tmp, replicate_round_bytes=8 << 10)
+    with tmpfs(comm, shared_tmp / "bb" / "1", "1m") as small:
+        with pytest.raises(bbio.NoSpaceError) as info:
+            bbio.stage_in(comm, src, shared_tmp / "bb" / "{node}" / "t", mode=mode, config=config)
+        message = same_everywhere(comm, info.value)
+        assert "node 1: cannot write" in message and "No space left on device" in message
+        assert "filled up during the copy" in message, message
+        assert temp_files(small) == [] and temp_files(shared_tmp / "bb" / "0") == []
+
+
+@needs_root
+def test_stage_out_capacity_advice_fits_stage_out(comm, shared_tmp):
+    if comm.Get_rank() == 0:
+        for node in (0, 1):
+            (shared_tmp / "bb" / str(node) / "o").mkdir(parents=True)
+            (shared_tmp / "bb" / str(node) / "o" / f"n{node}").write_bytes(b"x" * (1 << 20))
+    comm.Barrier()
+    with tmpfs(comm, shared_tmp / "small", "1m") as small:
+        with pytest.raises(bbio.NoSpaceError) as info:
+            bbio.stage_out(
+                comm, shared_tmp / "bb" / "{node}" / "o", small, config=two_nodes(comm, shared_tmp)
+            )
+        message = same_everywhere(comm, info.value)
+        assert "needs 2.0 MiB" in message and "stage out fewer files" in message, message
+        assert "--mode" not in message
+
+
+@needs_root
+@pytest.mark.parametrize("checked", [True, False], ids=["refused-first", "full-while-writing"])
+def test_pack_into_a_full_device(comm, shared_tmp, src, monkeypatch, checked):
+    if not checked:  # as if the space had gone between the check and the writes
+        monkeypatch.setattr(pack_module, "_check_capacity", lambda out, shards: None)
+    big = shared_tmp / "pfs" / "big"
+    if comm.Get_rank() == 0:
+        big.mkdir(parents=True)
+        for i in range(4):
+            (big / f"b{i}.bin").write_bytes(bytes([i]) * (600 << 10))
+    comm.Barrier()
+    with tmpfs(comm, shared_tmp / "small", "1m") as small:
+        with pytest.raises(bbio.NoSpaceError) as info:
+            bbio.pack(
+                comm, big, small / "p", shard_size=700 << 10, config=two_nodes(comm, shared_tmp)
+            )
+        message = same_everywhere(comm, info.value)
+        assert "pack fewer files" in message, message
+        assert ("needs about" if checked else "cannot write the shard") in message, message
+        assert temp_files(small) == []
+
+
+# ------------------------------------------------------------- 7. {node} and filters
+
+
+def test_node_where_it_does_not_apply_is_refused(comm, shared_tmp, src):
+    config = two_nodes(comm, shared_tmp)
+    calls = [
+        (bbio.pack, src, shared_tmp / "pn" / "{node}", "pack: output directory"),
+        (bbio.pack, shared_tmp / "{node}", shared_tmp / "pn", "pack: source"),
+        (bbio.stage_out, shared_tmp / "bb" / "{node}", shared_tmp / "so" / "{node}", "stage-out"),
+        (bbio.stage_in, shared_tmp / "{node}", shared_tmp / "bb" / "{node}", "stage-in: source"),
+    ]
+    for call, first, second, expected in calls:
+        with pytest.raises(bbio.UsageError) as info:
+            call(comm, first, second, config=config)
+        message = same_everywhere(comm, info.value)
+        assert expected in message and "contains {node}" in message, message
+    assert not list(shared_tmp.rglob("{node}"))
+
+
+def test_filters_that_select_nothing_say_so(comm, shared_tmp, src):
+    config = two_nodes(comm, shared_tmp)
+    summary = bbio.stage_in(
+        comm, src, shared_tmp / "bb" / "{node}" / "f", include=["*.jpg"], config=config
+    )
+    assert summary.files == 0
+    assert "warning: --include/--exclude selected no file of the source" in summary.report()
+    everything = bbio.stage_in(comm, src, shared_tmp / "bb" / "{node}" / "g", config=config)
+    assert everything.warnings == [] and "warning" not in everything.report()
+    packed = bbio.pack(comm, src, shared_tmp / "p", exclude=["*"], config=config)
+    assert packed.samples == 0 and "selected no file" in packed.report()
