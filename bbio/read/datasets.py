@@ -9,9 +9,12 @@ table (sample -> file, offset, length):
 * a raw file of fixed-size records (``record_bytes`` or ``sample_shape`` + ``dtype``);
 * a directory of files, one sample per file, in path order.
 
-If the dataset's directory was staged into this node's burst buffer (the
-node's staging registry says so), its files are read there; in shard mode the
-node holding a file serves it.  Otherwise they are read from the PFS.
+The dataset is always the PFS copy's full contents: a directory is listed
+on the PFS, a pack by its index.  Each file staged into this node's burst
+buffer (the node's staging registry and manifest say so, with the size the
+dataset expects) is read there; in shard mode the node holding a file serves
+it.  Every other file, such as one a filtered stage-in left out, is read from
+the PFS.
 
 :meth:`Dataset.read` is collective: every rank passes its own sample ids, the
 plan (:mod:`bbio.read.plan`) picks a few aggregator ranks that issue large
@@ -25,22 +28,25 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import numbers
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from bbio import _native
 from bbio.config import Config, load_config
 from bbio.errors import (
+    BBIOError,
     DependencyError,
     IntegrityError,
     NotFoundError,
     UsageError,
     from_oserror,
 )
-from bbio.mpi import agreed, topology, wait_quietly
+from bbio.mpi import agreed, all_agree, same_arguments, topology, wait_quietly
 from bbio.read.plan import (
     Extents,
     Holders,
@@ -52,12 +58,38 @@ from bbio.read.plan import (
     split_rounds,
 )
 from bbio.stage import registry
-from bbio.stage.pack import INDEX_NAME, read_index
+from bbio.stage.pack import INDEX_NAME, ShardInfo, read_index
 from bbio.stage.walk import check_readable, walk
 from bbio.transfer.files import read_manifest
 from bbio.transfer.manifest import FILE
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+#: settings every rank must share: they shape the topology and every rank's copy of each plan
+SHARED_SETTINGS = (
+    "ranks_per_node",
+    "stripe_size",
+    "read_max_hole",
+    "read_max_bytes",
+    "read_round_bytes",
+    "read_min_saving",
+    "read_direct_bytes",
+)
+DAMAGED_PACK = "the pack is damaged or incomplete; run 'bbio pack' again"
+
+
+def integer_argument(name: str, value: Any, minimum: int, path: Path | None = None) -> int:
+    """``value`` as an ``int`` of at least ``minimum``, else a :class:`UsageError` naming the
+    argument ``name`` (and ``path``).  Booleans and floats are refused.  Not collective."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise UsageError(
+            f"{name} must be an integer, not {value!r} ({type(value).__name__})",
+            path=path,
+            hint=f"pass {name} as an int",
+        )
+    if value < minimum:
+        raise UsageError(f"{name} must be at least {minimum}, not {value}", path=path)
+    return int(value)
 
 
 @dataclasses.dataclass
@@ -104,14 +136,54 @@ def _either(pfs: Path, staged: Path | None) -> Path:
     return staged if staged is not None and staged.exists() else pfs
 
 
-def _shard_arrays(path: Path, data_offset: int) -> tuple[np.ndarray, np.ndarray]:
+def _read_pack_index(where: Path) -> list[ShardInfo]:
+    """The shards of the pack index in ``where``; a damaged index is an IntegrityError naming
+    it.  Not collective."""
+    try:
+        shards = read_index(where)
+        fields = [(s.file, s.samples, s.data_offset, s.file_bytes) for s in shards]
+    except BBIOError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise IntegrityError(
+            f"damaged pack index ({type(exc).__name__}: {exc})",
+            path=where / INDEX_NAME,
+            hint=DAMAGED_PACK,
+        ) from None
+    for file, *counts in fields:
+        if not isinstance(file, str) or not all(
+            isinstance(c, int) and not isinstance(c, bool) and c >= 0 for c in counts
+        ):
+            raise IntegrityError(
+                f"damaged pack index: a shard entry has file {file!r} and counts {counts}",
+                path=where / INDEX_NAME,
+                hint=DAMAGED_PACK,
+            )
+    return shards
+
+
+def _shard_arrays(path: Path, shard: ShardInfo) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets, sizes) of the samples of ``shard``, read from its file ``path``."""
     import h5py
 
-    with h5py.File(path, "r") as f:
-        return (
-            np.asarray(f["offsets"][:], dtype=np.int64) + data_offset,
-            np.asarray(f["sizes"][:], dtype=np.int64),
+    try:
+        with h5py.File(path, "r") as f:
+            offsets = np.asarray(f["offsets"][:], dtype=np.int64).reshape(-1)
+            sizes = np.asarray(f["sizes"][:], dtype=np.int64).reshape(-1)
+    except OSError as exc:
+        raise from_oserror(exc, "open the pack shard", path, hint=DAMAGED_PACK) from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise IntegrityError(
+            f"damaged pack shard ({type(exc).__name__}: {exc})", path=path, hint=DAMAGED_PACK
+        ) from None
+    if offsets.size != shard.samples or sizes.size != shard.samples:
+        raise IntegrityError(
+            f"the pack shard lists {offsets.size} offsets and {sizes.size} sizes, "
+            f"the index says {shard.samples} samples",
+            path=path,
+            hint=DAMAGED_PACK,
         )
+    return offsets + shard.data_offset, sizes
 
 
 def _packed_layout(
@@ -128,10 +200,10 @@ def _packed_layout(
     shards = None
     with agreed(comm, f"reading the pack index of {root}"):
         if comm.Get_rank() == (index_from[0] if index_from else 0):
-            shards = read_index(staged if index_from else root)
+            shards = _read_pack_index(staged if index_from else root)
     shards = comm.bcast(shards, root=index_from[0] if index_from else 0)
     files = [str(root / s.file) for s in shards]
-    local = _local_copies(bb_dir, node, files)
+    local = _local_copies(bb_dir, node, files, [s.file_bytes for s in shards])
     holders = comm.allgather(sorted(local) if is_leader else [])
     reader = {}
     for r, held in enumerate(holders):
@@ -141,7 +213,7 @@ def _packed_layout(
     with agreed(comm, f"reading the shard indexes of {root}"):
         for i, shard in enumerate(shards):
             if reader.get(i, 0) == comm.Get_rank():
-                arrays[i] = _shard_arrays(Path(local.get(i, files[i])), shard.data_offset)
+                arrays[i] = _shard_arrays(Path(local.get(i, files[i])), shard)
     merged: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for part in comm.allgather(arrays):
         merged.update(part)
@@ -174,22 +246,50 @@ def _hdf5_layout(path: Path, read_path: Path, dataset: str | None) -> Layout:
         import h5py
     except ImportError as exc:
         raise DependencyError("reading HDF5 datasets needs h5py", hint="run 'make setup'") from exc
-    with h5py.File(read_path, "r") as f:
+    try:
+        f = h5py.File(read_path, "r")
+    except OSError as exc:
+        raise from_oserror(
+            exc,
+            "open the HDF5 file",
+            path,
+            hint="the file is not a readable HDF5 file (damaged or truncated?); "
+            "check it with h5dump",
+        ) from None
+    with f:
         names = []
         f.visititems(
             lambda name, obj: names.append(name) if isinstance(obj, h5py.Dataset) else None
         )
+        listed = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
         if dataset is None:
             if len(names) != 1:
                 raise UsageError(
-                    f"the HDF5 file has {len(names)} datasets ({', '.join(names[:5])})",
+                    f"the HDF5 file has {len(names)} datasets ({listed})",
                     path=path,
                     hint="pass dataset='NAME' to choose one",
                 )
             dataset = names[0]
-        if dataset not in f:
-            raise NotFoundError(f"no dataset {dataset!r} in the HDF5 file", path=path)
-        dset = f[dataset]
+        dset = f.get(dataset)
+        if not isinstance(dset, h5py.Dataset):
+            found = "no such path" if dset is None else f"a {type(dset).__name__.lower()}"
+            error = NotFoundError if dset is None else UsageError
+            raise error(
+                f"{dataset!r} is not a dataset of the HDF5 file ({found})",
+                path=path,
+                hint=f"pass dataset= one of: {listed}" if names else "the file holds no dataset",
+            )
+        if dset.dtype.hasobject:
+            raise UsageError(
+                f"dataset {dataset!r} holds variable-length elements ({dset.dtype})",
+                path=path,
+                hint="collective reads need fixed-size elements; store strings with a "
+                "fixed length (h5py.string_dtype(length=N)) or as a pack ('bbio pack')",
+            )
+        if not dset.shape:
+            raise UsageError(
+                f"dataset {dataset!r} is a scalar or empty; samples go along axis 0", path=path
+            )
         layout = dset.id.get_create_plist().get_layout()
         if layout != h5py.h5d.CONTIGUOUS or dset.compression or dset.id.get_offset() is None:
             raise UsageError(
@@ -198,8 +298,6 @@ def _hdf5_layout(path: Path, read_path: Path, dataset: str | None) -> Layout:
                 hint="collective reads need a contiguous dataset; copy it with "
                 "f.create_dataset(name, data=..., chunks=None)",
             )
-        if dset.ndim < 1:
-            raise UsageError(f"dataset {dataset!r} is a scalar; samples go along axis 0", path=path)
         return _fixed_layout(
             "hdf5",
             path,
@@ -214,23 +312,37 @@ def _hdf5_layout(path: Path, read_path: Path, dataset: str | None) -> Layout:
 def _raw_layout(
     path: Path, read_path: Path, record_bytes, sample_shape, dtype, header_bytes: int
 ) -> Layout:
+    """The layout of a raw file; the arguments were checked by :func:`_open_arguments`."""
     if sample_shape is None:
-        if not record_bytes:
-            raise UsageError(
-                "a raw file needs record_bytes=, or sample_shape= and dtype=", path=path
-            )
-        sample_shape, dtype = (int(record_bytes),), "u1"
+        sample_shape = (record_bytes,)
     dt = np.dtype(dtype or "u1")
     record = int(np.prod(sample_shape, dtype=np.int64)) * dt.itemsize
-    size = os.path.getsize(read_path)
+    try:
+        size = os.path.getsize(read_path)
+    except OSError as exc:
+        raise from_oserror(exc, "stat the dataset file", read_path) from None
+    if header_bytes > size:
+        raise UsageError(
+            f"header_bytes={header_bytes} is beyond the end of the file ({size} bytes)",
+            path=path,
+            hint="pass the size of the header that precedes the records",
+        )
     return _fixed_layout(
         "raw", path, size, header_bytes, (size - header_bytes) // record, sample_shape, dt
     )
 
 
 def _directory_layout(comm, root: Path, staged: Path | None) -> Layout:
-    manifest = read_manifest(staged) if staged is not None else None
-    if manifest is not None:
+    """Collective over ``comm``: one sample per file of ``root``.  The files are those of a
+    complete staged copy's manifest (``staged``: a stage-in of the whole of ``root``,
+    neither filtered nor with files skipped), else those listed on the PFS (a staged
+    copy may hold only some of them)."""
+    manifest = None
+    with agreed(comm, f"opening the dataset {root}: reading its staged copy's manifest"):
+        manifest = read_manifest(staged) if staged is not None else None
+    complete = manifest is not None and manifest.attrs.get("complete") is True
+    if all_agree(comm, complete):  # every node's copy: else every rank walks the PFS
+        assert manifest is not None
         entries = [e for e in manifest.entries if e.kind == FILE]
     else:
         tree = walk(comm, root)
@@ -250,8 +362,11 @@ def _directory_layout(comm, root: Path, staged: Path | None) -> Layout:
     )
 
 
-def _local_copies(bb_dir: Path, node: int, files: Sequence[str]) -> dict[int, str]:
-    """The files node ``node``'s burst buffer ``bb_dir`` holds: {file index: local path}."""
+def _local_copies(
+    bb_dir: Path, node: int, files: Sequence[str], sizes: Sequence[int]
+) -> dict[int, str]:
+    """The files node ``node``'s burst buffer ``bb_dir`` holds with the sizes ``sizes`` the
+    dataset expects: {file index: local path}.  The others are read from the PFS."""
     found: dict[int, str] = {}
     manifests: dict[Path, dict] = {}
     for i, name in enumerate(files):
@@ -265,7 +380,8 @@ def _local_copies(bb_dir: Path, node: int, files: Sequence[str]) -> dict[int, st
         rel = os.path.relpath(os.path.realpath(name), source)
         entry = manifests[destination].get(rel)
         local = destination / rel
-        if entry is not None and entry.node in (None, node) and local.exists():
+        held = entry is not None and entry.kind == FILE and entry.node in (None, node)
+        if held and entry.size == sizes[i] and local.exists():
             found[i] = str(local)
     return found
 
@@ -283,13 +399,17 @@ class Dataset:
 
     ``read`` and ``close`` are collective over the communicator it was opened
     with (bbio uses a private duplicate of it).  ``len(ds)`` is the number of
-    samples.
+    samples; ``path`` the path it was opened with.
     """
 
-    def __init__(self, comm, layout: Layout, local: dict[int, str], config: Config) -> None:
+    def __init__(
+        self, comm, path: Path, layout: Layout, local: dict[int, str], config: Config
+    ) -> None:
         self.comm = comm
+        self.path = path
         self.layout = layout
         self.config = config
+        self.closed = False
         self.stats = ReadStats()
         topo = topology(comm, config.ranks_per_node)
         try:
@@ -323,24 +443,40 @@ class Dataset:
         """True when every sample has the same shape (reads return one array)."""
         return self.layout.sample_shape is not None
 
+    def check_open(self) -> None:
+        """Raise a :class:`UsageError` if the dataset was closed.  Not collective."""
+        if self.closed:
+            raise UsageError(
+                "the dataset is closed", path=self.path, hint="open it again with open_dataset"
+            )
+
     def read(self, indices: Sequence[int] | np.ndarray) -> np.ndarray | list[np.ndarray]:
         """Collective over the dataset's communicator: each rank passes its own sample ids
         and gets its samples in that order.
 
         Returns an array of shape ``(len(indices), *sample_shape)`` for
         fixed-size samples, else a list of uint8 arrays.  A rank may pass no
-        ids; ids may repeat.  An id out of range raises the same
-        :class:`UsageError` on every rank.  When every sample is large
-        (``read_direct_bytes``), each rank reads its own and the ranks only
-        agree on the outcome; otherwise the requests are exchanged first.
+        ids; ids may repeat; they must be integers (a boolean mask is refused:
+        pass ``np.flatnonzero(mask)``).  Ids that are out of range or not
+        integers raise the same :class:`UsageError` on every rank.  When every
+        sample is large (``read_direct_bytes``), each rank reads its own and the
+        ranks only agree on the outcome; otherwise the requests are exchanged first.
         """
-        mine = np.ascontiguousarray(indices, dtype=np.int64).reshape(-1)
+        self.check_open()
         if self.reads_alone:
             totals = np.zeros(4, dtype=np.int64)  # samples, requests, bytes read, bytes needed
-            out = self._read_direct(mine, totals)
+            out = self._read_direct(indices, totals)
             self._add_counts(*totals.tolist(), direct=True)
             return out
-        return self.read_planned(self.comm.allgather(mine))  # one collective
+        try:
+            mine: np.ndarray | UsageError = _sample_ids(indices, self.comm.Get_rank(), self.path)
+        except UsageError as exc:  # handed to every rank, which raises it
+            mine = exc
+        everyone = self.comm.allgather(mine)  # one collective
+        for item in everyone:
+            if isinstance(item, UsageError):
+                raise item
+        return self.read_planned(everyone)
 
     def read_planned(self, requests: Sequence[np.ndarray]) -> np.ndarray | list[np.ndarray]:
         """Collective over the dataset's communicator: like :meth:`read`, with every
@@ -352,8 +488,14 @@ class Dataset:
         status, so a failed read raises the same error on every rank; on the
         direct path one agreement does the same.
         """
-        rank = self.comm.Get_rank()
-        requests = [np.asarray(ids, dtype=np.int64).reshape(-1) for ids in requests]
+        self.check_open()
+        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        if len(requests) != size:
+            raise UsageError(
+                f"read_planned needs one list of ids per rank ({size}), got {len(requests)}",
+                path=self.path,
+            )
+        requests = [_sample_ids(ids, r, self.path) for r, ids in enumerate(requests)]
         for r, ids in enumerate(requests):
             self._check_ids(ids, r)
         counts = [ids.size for ids in requests]
@@ -396,6 +538,7 @@ class Dataset:
             raise UsageError(
                 f"sample id {int(wrong[0])} (asked by rank {rank}) is out of range: "
                 f"the dataset has {len(self)} samples",
+                path=self.path,
                 hint="ids go from 0 to len(dataset) - 1",
             )
 
@@ -427,9 +570,7 @@ class Dataset:
                         raise failure
         return out
 
-    def _read_direct(
-        self, ids: np.ndarray, totals: np.ndarray | None = None
-    ) -> np.ndarray | list[np.ndarray]:
+    def _read_direct(self, ids, totals: np.ndarray | None = None) -> np.ndarray | list[np.ndarray]:
         """This rank's samples ``ids``, read by itself (``io_threads`` in flight).
 
         Collective only in its agreement: a failure on any rank raises the
@@ -437,12 +578,14 @@ class Dataset:
         (no other rank has seen them) and their counters (samples, requests,
         bytes read, bytes needed) are summed over the ranks by the agreement.
         """
-        out = self._output(ids.size)
+        out: np.ndarray | list[np.ndarray] = []
         with agreed(self.comm, "collective read", totals):
             if totals is not None:
+                ids = _sample_ids(ids, self.comm.Get_rank(), self.path)
                 self._check_ids(ids, self.comm.Get_rank())
                 length = self.layout.extents.length
                 totals[:] = ids.size, ids.size, length[ids].sum(), length[np.unique(ids)].sum()
+            out = self._output(ids.size)
             if ids.size == 0:
                 return out
             extents = self.layout.extents
@@ -650,7 +793,10 @@ class Dataset:
         self.stats.bytes_needed += bytes_needed
 
     def close(self) -> None:
-        """Collective: close the files and free the communicator."""
+        """Collective: close the files and free the communicator (again: nothing)."""
+        if self.closed:
+            return
+        self.closed = True
         if self._reader is not None:
             self._reader.shutdown()
             self._reader = None
@@ -686,18 +832,89 @@ def open_dataset(
     fixed-size records (``record_bytes=``, or ``sample_shape=`` and
     ``dtype=``, after ``header_bytes``), or a directory of files (one sample
     per file).  Files staged into this node's burst buffer are read there.
-    Errors (missing path, unsupported layout) are raised alike on every rank.
+    Every rank must pass the same arguments and the same read settings of
+    ``config``.  Errors (different or invalid arguments, a missing path, an
+    unsupported layout) are raised alike on every rank.
     """
     config = config or load_config()
-    path = Path(path)
     private = comm.Dup()
     try:
-        return _open(
-            private, path, dataset, record_bytes, sample_shape, dtype, header_bytes, config
-        )
+        arguments: dict[str, Any] = {}
+        with agreed(private, "open_dataset"):
+            arguments = _open_arguments(
+                path, dataset, record_bytes, sample_shape, dtype, header_bytes
+            )
+        settings = {f"config.{name}": getattr(config, name) for name in SHARED_SETTINGS}
+        same_arguments(private, "open_dataset", {**arguments, **settings})
+        return _open(private, config=config, **arguments)
     except BaseException:
         private.Free()
         raise
+
+
+def _open_arguments(path, dataset, record_bytes, sample_shape, dtype, header_bytes) -> dict:
+    """:func:`open_dataset`'s arguments checked and normalised (the same values give the same
+    result on every rank).  Not collective."""
+    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
+        raise UsageError(f"the path must be a str or a path, not {type(path).__name__}")
+    path = Path(os.path.abspath(path))
+    if dataset is not None and (not isinstance(dataset, str) or not dataset):
+        raise UsageError(f"dataset= must name an HDF5 dataset, not {dataset!r}", path=path)
+    if record_bytes is not None:
+        record_bytes = integer_argument("record_bytes", record_bytes, 1, path)
+    if sample_shape is not None:
+        if isinstance(sample_shape, (str, bytes)) or not isinstance(
+            sample_shape, (Sequence, np.ndarray)
+        ):
+            raise UsageError(
+                f"sample_shape must be a tuple of positive integers, not {sample_shape!r}",
+                path=path,
+            )
+        sample_shape = tuple(integer_argument("sample_shape", n, 1, path) for n in sample_shape)
+        if record_bytes is not None:
+            raise UsageError(
+                "pass record_bytes= or sample_shape= (with dtype=), not both", path=path
+            )
+    if dtype is not None:
+        try:
+            dt = np.dtype(dtype)
+        except (TypeError, ValueError) as exc:
+            raise UsageError(f"dtype={dtype!r} is not a NumPy dtype ({exc})", path=path) from None
+        if dt.hasobject or dt.itemsize == 0:
+            raise UsageError(f"dtype={dtype!r} has no fixed size in bytes", path=path)
+        if sample_shape is None:
+            raise UsageError("dtype= goes with sample_shape=", path=path)
+        dtype = dt.str
+    return {
+        "path": path,
+        "dataset": dataset,
+        "record_bytes": record_bytes,
+        "sample_shape": sample_shape,
+        "dtype": dtype,
+        "header_bytes": integer_argument("header_bytes", header_bytes, 0, path),
+    }
+
+
+def _sample_ids(ids, rank: int, path: Path) -> np.ndarray:
+    """Rank ``rank``'s sample ``ids`` of the dataset ``path`` as a flat int64 array; a
+    :class:`UsageError` unless they are integers (booleans and floats are refused).
+    Not collective."""
+    try:
+        array = np.asarray(ids)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(
+            f"the sample ids of rank {rank} are not an array of integers ({exc})", path=path
+        ) from None
+    if array.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if array.dtype.kind not in "iu":
+        hint = "for a boolean mask pass np.flatnonzero(mask)" if array.dtype == bool else None
+        raise UsageError(
+            f"the sample ids of rank {rank} must be integers, not {array.dtype}",
+            path=path,
+            hint=hint,
+        )
+    return array.astype(np.int64).reshape(-1)
 
 
 def _open(comm, path, dataset, record_bytes, sample_shape, dtype, header_bytes, config) -> Dataset:
@@ -720,6 +937,17 @@ def _open(comm, path, dataset, record_bytes, sample_shape, dtype, header_bytes, 
             else:
                 kind = "directory"
     kind = comm.bcast(kind, root=0)
+    raw_options = record_bytes, sample_shape, dtype
+    if kind != "raw" and (any(o is not None for o in raw_options) or header_bytes):
+        raise UsageError(
+            f"record_bytes=, sample_shape=, dtype= and header_bytes= are for raw files; "
+            f"this is {_KINDS[kind]}",
+            path=path,
+        )
+    if kind != "hdf5" and dataset is not None:
+        raise UsageError(f"dataset= is for HDF5 files; this is {_KINDS[kind]}", path=path)
+    if kind == "raw" and record_bytes is None and sample_shape is None:
+        raise UsageError("a raw file needs record_bytes=, or sample_shape= and dtype=", path=path)
     if kind == "directory":
         layout = _directory_layout(comm, path, staged)
     elif kind == "packed":
@@ -735,8 +963,16 @@ def _open(comm, path, dataset, record_bytes, sample_shape, dtype, header_bytes, 
                         path, source, record_bytes, sample_shape, dtype, header_bytes
                     )
         layout = comm.bcast(layout, root=0)
-    local = _local_copies(bb_dir, node, layout.files)
-    return Dataset(comm, layout, local, config)
+    local = _local_copies(bb_dir, node, layout.files, layout.file_sizes)
+    return Dataset(comm, path, layout, local, config)
+
+
+_KINDS = {
+    "hdf5": "an HDF5 file",
+    "raw": "a raw file",
+    "packed": "a pack",
+    "directory": "a directory of files",
+}
 
 
 def _is_hdf5(path: Path) -> bool:

@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from bbio.errors import UsageError
-from bbio.read.datasets import Dataset
+from bbio.mpi import agreed, same_arguments
+from bbio.read.datasets import Dataset, integer_argument
 from bbio.read.sampler import batches_of, epoch_order, steps_per_epoch
 
 log = logging.getLogger("bbio")
@@ -27,8 +28,11 @@ class Loader:
     """Iterate over batches: each rank gets its part of a global shuffle.
 
     Collective over the dataset's communicator: every rank must create the
-    loader, iterate the same number of steps and call :meth:`close` (or use
-    ``with``).  ``start_step`` resumes after that many steps (counted over all
+    loader with the same arguments, iterate the same number of steps and call
+    :meth:`close` (or use ``with``).  ``comm`` must hold the dataset's ranks in
+    the same order (the communicator given to :func:`open_dataset`).  Invalid
+    or differing arguments raise the same :class:`UsageError` on every rank.
+    ``start_step`` resumes after that many steps (counted over all
     epochs), e.g. the step saved with a checkpoint.  Each element is what
     :meth:`Dataset.read` returns for this rank's ids of that step;
     ``loader.indices`` holds those ids.  The split is PyTorch
@@ -48,24 +52,37 @@ class Loader:
         prefetch: int = 2,
         start_step: int = 0,
     ) -> None:
-        if batch_size < 1 or epochs < 0 or prefetch < 0 or start_step < 0:
-            raise UsageError(
-                f"Loader needs batch_size >= 1, epochs >= 0 and prefetch >= 0 "
-                f"(got {batch_size}, {epochs}, {prefetch})"
-            )
-        if comm.Get_size() != dataset.comm.Get_size():
-            raise UsageError("the Loader's communicator must be the dataset's")
         from mpi4py import MPI
 
+        if not isinstance(dataset, Dataset):
+            raise UsageError(
+                f"Loader needs a dataset opened with open_dataset, not {type(dataset).__name__}"
+            )
+        dataset.check_open()
+        arguments: dict = {}
+        with agreed(dataset.comm, "Loader"):
+            _check_communicator(comm, dataset)
+            where = dataset.path
+            arguments = {
+                "batch_size": integer_argument("batch_size", batch_size, 1, where),
+                "seed": integer_argument("seed", seed, 0, where),
+                "epochs": integer_argument("epochs", epochs, 0, where),
+                "shuffle": _flag("shuffle", shuffle, where),
+                "drop_last": _flag("drop_last", drop_last, where),
+                "prefetch": integer_argument("prefetch", prefetch, 0, where),
+                "start_step": integer_argument("start_step", start_step, 0, where),
+            }
+        same_arguments(dataset.comm, f"Loader of {dataset.path}", arguments)
         self.dataset = dataset
-        self.rank = comm.Get_rank()
-        self.replicas = comm.Get_size()
-        self.batch_size = batch_size
-        self.seed = seed
-        self.epochs = epochs
-        self.shuffle = shuffle
-        self.drop_last = drop_last
-        self.start_step = start_step
+        self.rank = dataset.comm.Get_rank()
+        self.replicas = dataset.comm.Get_size()
+        self.batch_size = arguments["batch_size"]
+        self.seed = arguments["seed"]
+        self.epochs = arguments["epochs"]
+        self.shuffle = arguments["shuffle"]
+        self.drop_last = arguments["drop_last"]
+        self.start_step = arguments["start_step"]
+        prefetch = arguments["prefetch"]
         threaded = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
         if prefetch and not threaded and self.rank == 0:
             log.warning(
@@ -73,7 +90,7 @@ class Loader:
             )
         self.prefetch = prefetch if threaded else 0
         self.indices = None  # this rank's ids of the batch last returned
-        self._steps = steps_per_epoch(len(dataset), self.replicas, batch_size, drop_last)
+        self._steps = steps_per_epoch(len(dataset), self.replicas, self.batch_size, self.drop_last)
         self._queue: queue.Queue = queue.Queue()
         self._turn = threading.Condition()
         self._allowed = 0  # the background thread may fetch steps below this
@@ -81,10 +98,10 @@ class Loader:
         self._thread: threading.Thread | None = None
         # The first epoch's shuffle is drawn now, not in the first step: for a
         # dataset of many small samples it takes tens of milliseconds.
-        first = start_step // self._steps if self._steps else epochs
+        first = self.start_step // self._steps if self._steps else self.epochs
         self._orders: dict[int, np.ndarray] = {}
-        if first < epochs:
-            self._orders[first] = epoch_order(len(dataset), seed, first, shuffle)
+        if first < self.epochs:
+            self._orders[first] = epoch_order(len(dataset), self.seed, first, self.shuffle)
 
     def __len__(self) -> int:
         """Steps per epoch (the same on every rank)."""
@@ -130,17 +147,30 @@ class Loader:
         self._queue.put(("end", None))
 
     def __iter__(self) -> Iterator:
+        """Each step is a collective read over the dataset's communicator."""
+        self._check_open()
+        if self.prefetch and self._thread is not None:
+            raise UsageError("a prefetching Loader can be iterated once; create a new one")
+        return self._batches()
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise UsageError(
+                "the Loader is closed", path=self.dataset.path, hint="create a new Loader"
+            )
+
+    def _batches(self) -> Iterator:
         if self.prefetch == 0:
             for batches in self._schedule():
+                self._check_open()
                 self.indices, data = self._fetch(batches)
                 yield data
             return
-        if self._thread is not None:
-            raise UsageError("a prefetching Loader can be iterated once; create a new one")
         self._allow(self.prefetch)
         self._thread = threading.Thread(target=self._background, name="bbio-loader", daemon=True)
         self._thread.start()
         while True:
+            self._check_open()
             kind, item = self._queue.get()
             if kind == "end":
                 return
@@ -151,7 +181,8 @@ class Loader:
             yield data
 
     def close(self) -> None:
-        """Collective: stop prefetching and join the background thread.
+        """Collective: stop prefetching and join the background thread.  Iterating a closed
+        loader raises :class:`UsageError`.
 
         The thread only ever runs ahead by the steps the training has allowed,
         the same number on every rank, so the collective reads it has started
@@ -168,3 +199,31 @@ class Loader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_communicator(comm, dataset: Dataset) -> None:
+    """Raise unless ``comm`` holds ``dataset``'s ranks in the same order.  Not collective."""
+    from mpi4py import MPI
+
+    if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+        given = "a freed communicator" if comm == MPI.COMM_NULL else type(comm).__name__
+        raise UsageError(
+            f"Loader needs the communicator the dataset was opened with, not {given}",
+            path=dataset.path,
+        )
+    relation = MPI.Comm.Compare(comm, dataset.comm)
+    if relation not in (MPI.IDENT, MPI.CONGRUENT):
+        names = {MPI.SIMILAR: "the dataset's ranks in another order", MPI.UNEQUAL: "other ranks"}
+        raise UsageError(
+            f"the Loader's communicator holds {names[relation]} (it must be the dataset's)",
+            path=dataset.path,
+            hint="pass the communicator the dataset was opened with",
+        )
+
+
+def _flag(name: str, value, path) -> bool:
+    """``value`` as a bool, else a :class:`UsageError` naming ``name`` (and ``path``).
+    Not collective."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise UsageError(f"{name} must be True or False, not {value!r}", path=path)
+    return bool(value)

@@ -1,0 +1,337 @@
+"""Bad or differing arguments to ``open_dataset``, ``Dataset.read`` and ``Loader``: one clear
+error on every rank (never a hang, silently wrong data or a raw error from h5py or NumPy),
+and a filtered stage-in that must not shrink the dataset.  On 2 or 4 ranks in 2 virtual
+nodes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import h5py
+import numpy as np
+import pytest
+
+import bbio
+from tests.test_read import MODES, config_for
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+NESTED = ["a/b/t0.bin", "a/b/t1.bin", "a/b/t2.bin"]
+NAMES = sorted([f"s{i:02d}.bin" for i in range(20)] + NESTED)  # the dataset's sample order
+RECORDS = 100  # int32 records of x.raw: record i holds i
+
+
+def content(name: str) -> bytes:
+    return f"<{name}>".encode() * (3 + len(name) + NAMES.index(name))
+
+
+def same_everywhere(comm, error: BaseException) -> str:
+    message = str(error)
+    assert comm.allgather(message) == [message] * comm.Get_size()
+    return message
+
+
+@pytest.fixture
+def data(comm, shared_tmp):
+    """A directory of 23 files (3 of them in a/b), a raw file of int32 records 0..99 and an
+    HDF5 file with a dataset, a group and a variable-length string dataset."""
+    root = shared_tmp / "pfs"
+    if comm.Get_rank() == 0:
+        (root / "files" / "a" / "b").mkdir(parents=True)
+        for name in NAMES:
+            (root / "files" / name).write_bytes(content(name))
+        np.arange(RECORDS, dtype=np.int32).tofile(root / "x.raw")
+        with h5py.File(root / "several.h5", "w") as f:
+            f.create_dataset("x", data=np.arange(40, dtype=np.float32).reshape(10, 4))
+            f.create_group("g").create_dataset("y", data=np.arange(6, dtype=np.int16))
+            f.create_dataset("names", data=["a", "bb", "ccc"], dtype=h5py.string_dtype())
+        (root / "bad.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\xff" * 200)
+    comm.Barrier()
+    return root, config_for(comm, shared_tmp)
+
+
+def last_rank(comm) -> bool:
+    return comm.Get_rank() == comm.Get_size() - 1
+
+
+# ------------------------------------------------------------ arguments that differ
+
+
+DIFFERENT = {
+    "batch_size": {"batch_size": 4},
+    "seed": {"seed": 8},
+    "epochs": {"epochs": 3},
+    "shuffle": {"shuffle": False},
+    "drop_last": {"drop_last": True},
+    "prefetch": {"prefetch": 1},
+    "start_step": {"start_step": 2},
+}
+
+
+@pytest.mark.timeout(60)  # before the fix some of these hung
+@pytest.mark.parametrize("name", DIFFERENT)
+def test_loader_arguments_that_differ_between_ranks_are_one_usage_error(comm, data, name):
+    root, config = data
+    with bbio.open_dataset(comm, root / "files", config=config) as ds:
+        arguments = {"batch_size": 3, "seed": 7, "epochs": 2, "prefetch": 2}
+        if last_rank(comm):
+            arguments.update(DIFFERENT[name])
+        with pytest.raises(bbio.UsageError) as info, bbio.Loader(comm, ds, **arguments) as loader:
+            for _ in loader:
+                pass
+        message = same_everywhere(comm, info.value)
+        assert f"the ranks passed different arguments ({name}: rank 0" in message, message
+        assert str(root / "files") in message, message
+        assert len(ds.read([0])) == 1  # the dataset's collectives are still in step
+
+
+@pytest.mark.timeout(60)
+def test_a_loader_on_a_reordered_communicator_is_refused(comm, data):
+    root, config = data
+    reordered = comm.Split(0, -comm.Get_rank())  # the same ranks, numbered backwards
+    try:
+        with bbio.open_dataset(comm, root / "x.raw", record_bytes=4, config=config) as ds:
+            with pytest.raises(bbio.UsageError) as info:
+                bbio.Loader(reordered, ds, batch_size=3, seed=0, prefetch=0)
+            message = same_everywhere(comm, info.value)
+            assert "communicator holds the dataset's ranks in another order" in message
+            with bbio.Loader(comm, ds, batch_size=3, seed=0, prefetch=0) as loader:
+                for batch in loader:  # the communicator the dataset was opened with
+                    assert batch.view(np.int32).ravel().tolist() == loader.indices.tolist()
+    finally:
+        reordered.Free()
+
+
+OPEN_DIFFERENT = {  # (path, keyword arguments) of rank 0, then of the last rank
+    "path": (("files", {}), ("files/a", {})),
+    "dataset": (("several.h5", {"dataset": "x"}), ("several.h5", {"dataset": "g/y"})),
+    "record_bytes": (("x.raw", {"record_bytes": 4}), ("x.raw", {"record_bytes": 8})),
+    "config.read_max_hole": (("files", {}), ("files", {"read_max_hole": 0})),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", OPEN_DIFFERENT)
+def test_open_dataset_arguments_that_differ_between_ranks_are_one_usage_error(comm, data, name):
+    root, config = data
+    path, arguments = OPEN_DIFFERENT[name][1 if last_rank(comm) else 0]
+    if "read_max_hole" in arguments:
+        config = dataclasses.replace(config, **arguments)
+        arguments = {}
+    with pytest.raises(bbio.UsageError) as info:
+        bbio.open_dataset(comm, root / path, config=config, **arguments).close()
+    message = same_everywhere(comm, info.value)
+    assert f"open_dataset: the ranks passed different arguments ({name}: rank 0" in message
+
+
+# ------------------------------------------------------------ a filtered stage-in
+
+
+@pytest.mark.parametrize("mode", ["replicate", "shard"])
+def test_a_filtered_stage_in_does_not_shrink_the_dataset(comm, data, mode):
+    """Only a/b/* is staged: the other 20 files are read from the PFS; a staged file whose
+    PFS copy changed size since is read from the PFS too."""
+    root, config = data
+    config = dataclasses.replace(config, read_min_saving=0)  # aggregate: nodes serve nodes
+    bbio.stage_in(
+        comm, root / "files", f"{config.bb_root}/part", mode=mode, include=["a/b/*"], config=config
+    )
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        (root / "files" / "a" / "b" / "t1.bin").write_bytes(b"changed after staging")
+    comm.Barrier()
+    expected = [(root / "files" / name).read_bytes() for name in NAMES]
+    with bbio.open_dataset(comm, root / "files", config=config) as ds:
+        assert len(ds) == len(NAMES)
+        ids = np.arange(comm.Get_rank(), len(NAMES), comm.Get_size())
+        assert [g.tobytes() for g in ds.read(ids)] == [expected[i] for i in ids]
+        staged = set().union(*comm.allgather(set(ds.local)))
+        assert staged == {NAMES.index("a/b/t0.bin"), NAMES.index("a/b/t2.bin")}
+        with bbio.Loader(comm, ds, batch_size=4, seed=1, prefetch=0) as loader:
+            for batch in loader:
+                assert [b.tobytes() for b in batch] == [expected[i] for i in loader.indices]
+
+
+def test_a_complete_staged_copy_is_listed_from_its_manifest_not_the_pfs(comm, data):
+    """A whole directory staged: open_dataset lists it from the manifest, so it opens and
+    reads from the burst buffers with the PFS directory gone."""
+    root, config = data
+    bbio.stage_in(comm, root / "files", f"{config.bb_root}/all", config=config)
+    expected = [content(name) for name in NAMES]
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        (root / "files").rename(root / "files-away")
+    comm.Barrier()
+    try:
+        with bbio.open_dataset(comm, root / "files", config=config) as ds:
+            assert len(ds) == len(NAMES) and len(ds.local) == len(NAMES)
+            ids = np.arange(comm.Get_rank(), len(NAMES), comm.Get_size())
+            assert [g.tobytes() for g in ds.read(ids)] == [expected[i] for i in ids]
+    finally:
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            (root / "files-away").rename(root / "files")
+        comm.Barrier()
+
+
+# ------------------------------------------------------------ files that cannot be read
+
+
+HDF5_CASES = {  # file, dataset=, error class, what the message says
+    "bad superblock": ("bad.h5", None, bbio.BBIOError, "cannot open the HDF5 file"),
+    "a group": ("several.h5", "g", bbio.UsageError, "'g' is not a dataset of the HDF5 file"),
+    "variable-length": ("several.h5", "names", bbio.UsageError, "variable-length elements"),
+    "missing": ("several.h5", "nope", bbio.NotFoundError, "Pass dataset= one of: g/y, names, x"),
+}
+
+
+@pytest.mark.parametrize("case", HDF5_CASES)
+def test_hdf5_files_that_cannot_be_read_are_refused_at_open(comm, data, case):
+    root, config = data
+    name, dataset, error, text = HDF5_CASES[case]
+    with pytest.raises(error) as info:
+        bbio.open_dataset(comm, root / name, dataset=dataset, config=config).close()
+    message = same_everywhere(comm, info.value)
+    assert text in message and str(root / name) in message, message
+
+
+def damage_missing_shard(pack):
+    os.remove(pack / "shard-00001.h5")
+
+
+def damage_truncated_shard(pack):
+    shard = pack / "shard-00001.h5"
+    os.truncate(shard, shard.stat().st_size // 2)
+
+
+def damage_index_without_shards(pack):
+    index = json.loads((pack / "bbio-pack.json").read_text())
+    del index["shards"]
+    (pack / "bbio-pack.json").write_text(json.dumps(index))
+
+
+def damage_index_a_list(pack):
+    (pack / "bbio-pack.json").write_text("[]")
+
+
+PACK_DAMAGE = {
+    "missing shard": (damage_missing_shard, bbio.NotFoundError, "shard-00001.h5"),
+    "truncated shard": (damage_truncated_shard, bbio.BBIOError, "shard-00001.h5"),
+    "index without shards": (damage_index_without_shards, bbio.IntegrityError, "bbio-pack.json"),
+    "index a list": (damage_index_a_list, bbio.IntegrityError, "bbio-pack.json"),
+}
+
+
+@pytest.mark.parametrize("case", PACK_DAMAGE)
+def test_a_damaged_pack_is_one_clear_error(comm, data, case):
+    root, config = data
+    damage, error, culprit = PACK_DAMAGE[case]
+    bbio.pack(comm, root / "files", root / "packed", shard_size=300, config=config)
+    if comm.Get_rank() == 0:
+        assert (root / "packed" / "shard-00001.h5").exists()
+        damage(root / "packed")
+    comm.Barrier()
+    with pytest.raises(error) as info:
+        bbio.open_dataset(comm, root / "packed", config=config).close()
+    message = same_everywhere(comm, info.value)
+    assert culprit in message and "bbio pack" in message, message
+
+
+RAW_CASES = {  # arguments, what the message says
+    "negative record": ({"record_bytes": -3}, "record_bytes must be at least 1, not -3"),
+    "float record": ({"record_bytes": 2.5}, "record_bytes must be an integer, not 2.5"),
+    "header past the end": (
+        {"record_bytes": 4, "header_bytes": 10_000},
+        "header_bytes=10000 is beyond the end of the file (400 bytes)",
+    ),
+    "negative header": (
+        {"record_bytes": 4, "header_bytes": -7},
+        "header_bytes must be at least 0, not -7",
+    ),
+    "bogus dtype": ({"sample_shape": (2,), "dtype": "bogus"}, "dtype='bogus' is not a NumPy"),
+    "empty sample": ({"sample_shape": (0,), "dtype": "u1"}, "sample_shape must be at least 1"),
+    "object dtype": ({"sample_shape": (2,), "dtype": object}, "has no fixed size in bytes"),
+    "both": ({"record_bytes": 4, "sample_shape": (1,)}, "record_bytes= or sample_shape="),
+}
+
+
+@pytest.mark.parametrize("case", RAW_CASES)
+def test_raw_file_arguments_are_checked_up_front(comm, data, case):
+    root, config = data
+    arguments, text = RAW_CASES[case]
+    with pytest.raises(bbio.UsageError) as info:
+        bbio.open_dataset(comm, root / "x.raw", config=config, **arguments).close()
+    message = same_everywhere(comm, info.value)
+    assert text in message and str(root / "x.raw") in message, message
+
+
+def test_arguments_of_another_layout_are_refused(comm, data):
+    root, config = data
+    with pytest.raises(bbio.UsageError) as info:
+        bbio.open_dataset(comm, root / "files", record_bytes=4, config=config).close()
+    assert "are for raw files; this is a directory of files" in same_everywhere(comm, info.value)
+
+
+# ------------------------------------------------------------ loader and read inputs
+
+
+WRONG_TYPES = {
+    "batch_size": ({"batch_size": 2.5}, "batch_size must be an integer, not 2.5"),
+    "seed": ({"seed": None}, "seed must be an integer, not None"),
+    "boolean batch_size": ({"batch_size": True}, "batch_size must be an integer, not True"),
+    "negative seed": ({"seed": -1}, "seed must be at least 0"),
+    "shuffle": ({"shuffle": "yes"}, "shuffle must be True or False"),
+}
+
+
+@pytest.mark.parametrize("case", WRONG_TYPES)
+def test_loader_arguments_of_the_wrong_type_are_usage_errors(comm, data, case):
+    root, config = data
+    wrong, text = WRONG_TYPES[case]
+    with bbio.open_dataset(comm, root / "x.raw", record_bytes=4, config=config) as ds:
+        with pytest.raises(bbio.UsageError) as info:
+            bbio.Loader(comm, ds, **{"batch_size": 2, "seed": 0, **wrong})
+        message = same_everywhere(comm, info.value)
+        assert text in message and str(root / "x.raw") in message, message
+
+
+@pytest.mark.parametrize("mode", ["aggregated", "alone"])
+@pytest.mark.parametrize("ids", ["mask", "floats"])
+def test_ids_that_are_not_integers_are_refused_on_every_rank(comm, data, mode, ids):
+    root, config = data
+    config = dataclasses.replace(config, **MODES[mode])
+    with bbio.open_dataset(comm, root / "x.raw", record_bytes=4, config=config) as ds:
+        wrong = np.ones(RECORDS, dtype=bool) if ids == "mask" else np.array([1.0, 2.5])
+        with pytest.raises(bbio.UsageError) as info:
+            ds.read(wrong if last_rank(comm) else [3])
+        message = same_everywhere(comm, info.value)
+        assert f"the sample ids of rank {comm.Get_size() - 1} must be integers" in message
+        assert str(root / "x.raw") in message, message
+        assert ("np.flatnonzero(mask)" in message) == (ids == "mask"), message
+        got = ds.read(np.flatnonzero(wrong) if ids == "mask" else [3])
+        assert got.view(np.int32).ravel().tolist() == (
+            list(range(RECORDS)) if ids == "mask" else [3]
+        )
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_closed_loaders_and_datasets_say_so(comm, data, prefetch):
+    root, config = data
+    ds = bbio.open_dataset(comm, root / "x.raw", record_bytes=4, config=config)
+    loader = bbio.Loader(comm, ds, batch_size=5, seed=0, epochs=2, prefetch=prefetch)
+    batches = iter(loader)
+    next(batches)
+    loader.close()
+    with pytest.raises(bbio.UsageError, match="the Loader is closed"):
+        next(batches)
+    with pytest.raises(bbio.UsageError, match="the Loader is closed"):
+        iter(loader)
+    ds.close()
+    ds.close()  # again: nothing
+    with pytest.raises(bbio.UsageError, match="the dataset is closed") as info:
+        ds.read([0])
+    assert str(root / "x.raw") in str(info.value)
+    with pytest.raises(bbio.UsageError, match="the dataset is closed"):
+        bbio.Loader(comm, ds, batch_size=5, seed=0)
