@@ -182,19 +182,20 @@ def _open(path: str | os.PathLike, flags: int, direct: bool, action: str, mode: 
 PREALLOCATE_MIN_BYTES = 8 << 20  # smaller files write faster without (ext4)
 
 
-def preallocate(fd: int, nbytes: int) -> bool:
-    """Reserve ``nbytes`` for ``fd`` if it is large; returns whether it did.
+def preallocate(fd: int, nbytes: int, at_least: int = PREALLOCATE_MIN_BYTES) -> bool:
+    """Reserve ``nbytes`` for ``fd`` (``fallocate(2)``) if they are at least ``at_least``;
+    returns whether it did (False also where the file system cannot reserve space:
+    nothing is written then, unlike ``posix_fallocate``).
 
-    Raises OSError (ENOSPC) when the device cannot hold it.
+    Raises OSError (ENOSPC) when the device cannot hold them.
     """
-    if nbytes < PREALLOCATE_MIN_BYTES:
+    if nbytes < max(at_least, 1):
         return False
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-    except OSError as exc:
-        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            return False  # the file system cannot preallocate; the copy still works
-        raise
+    err = _lib().bbio_fallocate(fd, nbytes)
+    if err in (errno.EOPNOTSUPP, errno.ENOSYS):
+        return False  # the file system cannot reserve space; writing still works
+    if err:
+        raise OSError(err, os.strerror(err))
     return True
 
 

@@ -255,12 +255,14 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
         path = slurm.prolog(config, job)
         print(f"bbio prolog: burst buffer {path} ready")
         return 0
-    path, failed = slurm.epilog(config, job, args.timeout)
-    for journal in failed:
-        print(f"bbio epilog: could not drain {journal}; {path} is kept", file=sys.stderr)
-    if not failed:
-        print(f"bbio epilog: every queued checkpoint drained; {path} removed")
-    return 1 if failed else 0
+    done = slurm.epilog(config, job, args.timeout)
+    for journal in done.failed:
+        print(f"bbio epilog: could not drain {journal}; {done.path} is kept", file=sys.stderr)
+    if done.removed:
+        print(f"bbio epilog: every queued checkpoint drained; {done.path} removed")
+    elif not done.failed:
+        print(f"bbio epilog: no burst-buffer directory {done.path}: nothing to do")
+    return 1 if done.failed else 0
 
 
 def _add_transfer_options(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,7 @@ Both run as root.  The prolog (before the job) creates the job's directory:
 ``bb_root`` up to its component that holds ``{job}``, owned by the job's user,
 mode 0700; the ranks create the node directories below it (``{node}``).  The
 epilog (after the job) finishes draining, as the job's user, every checkpoint
-still queued in the node directories of the job on this host, then removes
+still queued anywhere under the job's directory on this host, then removes
 the job's directory as root — unless something could not be drained: then
 the data stays and the epilog fails, which makes Slurm drain the node so
 that an admin can recover it.  ``jobscripts/slurm-prolog.sh`` and
@@ -13,21 +13,20 @@ that an admin can recover it.  ``jobscripts/slurm-prolog.sh`` and
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import glob
 import multiprocessing
 import os
 import pwd
 import shutil
-import stat
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from bbio.checkpoint import admin
+from bbio.checkpoint import admin, drain, layout
 from bbio.config import Config
-from bbio.errors import ConfigError
+from bbio.errors import ConfigError, from_oserror
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,8 +44,8 @@ class Job:
         (without it: the user's primary group)."""
         try:
             job_id, user = env["SLURM_JOB_ID"], env["SLURM_JOB_USER"]
-            uid, group = int(env["SLURM_JOB_UID"]), env.get("SLURM_JOB_GID")
-            gid = int(group) if group else pwd.getpwnam(user).pw_gid
+            uid = int(env["SLURM_JOB_UID"])
+            gid = int(env["SLURM_JOB_GID"]) if env.get("SLURM_JOB_GID") else None
         except (KeyError, ValueError) as exc:
             raise ConfigError(
                 f"not run by Slurm: {exc} is missing or invalid",
@@ -55,7 +54,15 @@ class Job:
             ) from None
         if not job_id:
             raise ConfigError("not run by Slurm: SLURM_JOB_ID is empty")
-        return cls(job_id, user, uid, gid)
+        if gid is not None:
+            return cls(job_id, user, uid, gid)
+        try:
+            return cls(job_id, user, uid, pwd.getpwnam(user).pw_gid)
+        except KeyError:
+            raise ConfigError(
+                f"the job's user {user} (SLURM_JOB_USER) is unknown on this node",
+                hint="check the node's user database (getent passwd), or set SLURM_JOB_GID",
+            ) from None
 
 
 def job_config(config: Config, job: Job) -> Config:
@@ -89,61 +96,82 @@ def job_dir(config: Config) -> Path:
     return config.expand(os.path.join(*parts[: _job_component(config) + 1]))
 
 
-def node_dirs(config: Config) -> list[Path]:
-    """The job's node burst buffers on this host: ``bb_root`` for every {node} whose
-    directory exists here (the hooks run without MPI, so they do not know the index)."""
-    parts = Path(config.bb_root).parts
-    index = _job_component(config)
-    below = parts[index + 1 :]
-    root = job_dir(config)
-    if not any("{node}" in part for part in below):
-        path = config.expand(config.bb_root)
-        return [path] if path.is_dir() else []
-    pattern = os.path.join(
-        *(
-            "*".join(
-                glob.escape(os.fspath(config.expand(piece))) if piece else ""
-                for piece in part.split("{node}")
-            )
-            for part in below
-        )
-    )
-    return sorted(p for p in root.glob(pattern) if p.is_dir() and not p.is_symlink())
+def node_dirs(job_root: Path) -> list[Path]:
+    """The burst buffers under ``job_root`` that hold checkpoint journals: every
+    directory D with D/ckpt/NAME/.journal (the hooks run without MPI and cannot know a
+    host's node index; a checkpointer may also have been given its own ``bb_root``
+    there).  Symlinks are not followed."""
+    found = {
+        journal.parent.parent.parent
+        for journal in job_root.rglob(drain.JOURNAL)
+        if journal.parent.parent.name == layout.CKPT_DIR
+        and journal.is_dir()
+        and not journal.is_symlink()
+    }
+    return sorted(found)
 
 
 def prolog(config: Config, job: Job) -> Path:
-    """Create the job's directory, owned by the job's user, mode 0700.  Not collective."""
+    """Create the job's directory, owned by the job's user, mode 0700.  Not collective.
+
+    An existing one (a requeued job's) must be a directory of root or of the
+    job's user; it is changed through a descriptor opened without following
+    symlinks, so that nothing swapped in meanwhile is handed to the user.
+    """
     path = job_dir(job_config(config, job))
     path.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700)
-    except FileExistsError:  # a requeued job's, or the prolog run again
-        if not stat.S_ISDIR(os.lstat(path).st_mode):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        raise ConfigError(
+            "the job's burst-buffer path exists and is not a directory",
+            path=path,
+            hint="remove it, then requeue the job",
+        ) from None
+    try:
+        owner = os.fstat(fd).st_uid
+        if owner not in (0, job.uid):
             raise ConfigError(
-                "the job's burst-buffer path exists and is not a directory",
+                f"the job's burst-buffer directory exists and belongs to uid {owner}, not to "
+                f"root or the job's user (uid {job.uid})",
                 path=path,
-                hint="remove it, then requeue the job",
-            ) from None
-    os.chown(path, job.uid, job.gid)
-    path.chmod(0o700)
+                hint="remove it, then requeue the job; keep the parent of bb_root's {job} "
+                "directory writable by root alone",
+            )
+        os.fchown(fd, job.uid, job.gid)
+        os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
     return path
 
 
-def epilog(config: Config, job: Job, timeout: float | None) -> tuple[Path, list[str]]:
-    """Drain what is queued in the job's node directories on this host, as the job's
-    user, then remove the job's directory if nothing failed.  Not collective.
+@dataclasses.dataclass(frozen=True)
+class Epilog:
+    """What :func:`epilog` did: the job's directory, what could not be drained (then the
+    directory is kept) and whether the directory was removed (False: also when there
+    was none)."""
 
-    Returns the job's directory and what could not be drained (then the
-    directory is kept).
-    """
-    config = job_config(config, job)
-    path = job_dir(config)
+    path: Path
+    failed: list[str]
+    removed: bool
+
+
+def epilog(config: Config, job: Job, timeout: float | None) -> Epilog:
+    """Drain what is queued under the job's directory on this host, as the job's user,
+    then remove the directory if nothing failed.  Not collective."""
+    path = job_dir(job_config(config, job))
     if not path.exists():
-        return path, []
-    failed = _finish_as(job, node_dirs(config), timeout)
-    if not failed:
+        return Epilog(path, [], False)
+    failed = _finish_as(job, node_dirs(path), timeout)
+    if failed:
+        return Epilog(path, failed, False)
+    try:
         shutil.rmtree(path)
-    return path, failed
+    except OSError as exc:
+        raise from_oserror(exc, "remove the job's burst-buffer directory", path) from None
+    return Epilog(path, [], True)
 
 
 def _finish_as(job: Job, directories: list[Path], timeout: float | None) -> list[str]:
@@ -190,4 +218,4 @@ def _load_drain_code() -> None:
     user, reads nothing of the installation (which a site may keep readable by root)."""
     import h5py  # noqa: F401  (the drain describes node files with it)
 
-    from bbio.checkpoint import drain, globalview  # noqa: F401
+    from bbio.checkpoint import globalview  # noqa: F401

@@ -855,4 +855,13 @@ int bbio_pread_batch(const int *fds, const int64_t *offsets,
     return 0;
 }
 
+/* --------------------------------------------------------------- fallocate */
 
+int bbio_fallocate(int fd, int64_t len)
+{
+    while (fallocate(fd, 0, 0, (off_t)len) != 0) {
+        if (errno != EINTR)
+            return errno;
+    }
+    return 0;
+}

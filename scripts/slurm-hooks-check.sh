@@ -41,13 +41,18 @@ stop_pid() {  # stop a daemon by its PID file, never by name
     for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
     kill -9 "$pid" 2>/dev/null || true
 }
-teardown() {
+MARK=$S/.bbio-slurm-hooks-check   # proves that $S was made by this script
+teardown() {  # only a directory this script made: its PID files, its user, its files
+    [ -e "$MARK" ] || return 0
     stop_pid "$S/run/slurmd.pid"
     stop_pid "$S/run/slurmctld.pid"
     stop_pid "$S/munge/munged.pid"
     if [ -e "$S/.created-user" ]; then userdel "$USER_NAME" 2>/dev/null || true; fi
     rm -rf "$S"
 }
+if [ -e "$S" ] && [ ! -e "$MARK" ] && [ -n "$(ls -A "$S" 2>/dev/null)" ]; then
+    die "$S exists and was not made by this script: choose another BBIO_SLURM_DIR"
+fi
 [ "$KEEP" = 1 ] || trap teardown EXIT
 
 if ! command -v slurmctld >/dev/null; then
@@ -57,6 +62,7 @@ if ! command -v slurmctld >/dev/null; then
 fi
 teardown
 mkdir -p "$S"/{etc,state,spool,log,run,out,home,local/bbio,pfs}
+touch "$MARK"
 chmod 755 "$S" "$S"/etc "$S"/local "$S"/local/bbio "$S"/home "$S"/pfs
 chmod 1777 "$S"/out
 if ! id "$USER_NAME" >/dev/null 2>&1; then

@@ -133,3 +133,6 @@ def test_different_arguments_to_the_constructor_or_restore_are_a_usage_error(com
         with pytest.raises(bbio.UsageError) as info:
             ckpt.restore(step=1 + (rank == 1))
         assert "step: rank 0 1, rank 1 2" in same_everywhere(comm, info.value)
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.restore(from_rank=1 if rank == 1 else None)
+        assert "from_rank given: rank 0 False, rank 1 True" in same_everywhere(comm, info.value)

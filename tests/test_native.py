@@ -191,6 +191,19 @@ def test_copy_file_missing_source_names_path(tmp_path):
     assert str(missing) in str(info.value)
 
 
+def test_preallocate_reserves_blocks_and_skips_small_files(tmp_path):
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        assert not _native.preallocate(fd, 1 << 20)  # below PREALLOCATE_MIN_BYTES
+        assert os.fstat(fd).st_size == 0
+        assert _native.preallocate(fd, 3 << 20, at_least=0)
+        st = os.fstat(fd)
+        assert st.st_size == 3 << 20 and st.st_blocks * 512 >= 3 << 20
+        assert os.pread(fd, 4096, 1 << 20) == bytes(4096)
+    finally:
+        os.close(fd)
+
+
 def test_copy_range_full_device_names_destination(tmp_path):
     src = write_file(tmp_path / "src", random_bytes(100_000))
     sfd = os.open(src, os.O_RDONLY)

@@ -103,16 +103,34 @@ def test_hooks_outside_slurm_say_so():
     assert "not run by Slurm" in result.stderr
 
 
-def test_the_job_directory_is_bb_root_up_to_the_job_and_nodes_are_found_below(tmp_path):
+def test_the_job_directory_is_bb_root_up_to_the_job_and_journals_are_found_below(tmp_path):
     config = slurm.job_config(Config(bb_root=str(tmp_path / "{job}" / "n{node}")), JOB)
-    assert slurm.job_dir(config) == tmp_path / "4242"
-    for name in ("n0", "n3", "other"):
-        (tmp_path / "4242" / name).mkdir(parents=True)
-    assert slurm.node_dirs(config) == [tmp_path / "4242" / "n0", tmp_path / "4242" / "n3"]
-    plain = slurm.job_config(Config(bb_root=str(tmp_path / "bbio-{job}")), JOB)
-    assert slurm.node_dirs(plain) == []  # the prolog has not run
-    (tmp_path / "bbio-4242").mkdir()
-    assert slurm.node_dirs(plain) == [tmp_path / "bbio-4242"]
+    job_dir = tmp_path / "4242"
+    assert slurm.job_dir(config) == job_dir
+    for where in ("n0", "n3", "n3/own-root"):  # own-root: a checkpointer given its bb_root
+        drain.journal_dir(job_dir / where / layout.CKPT_DIR / "run").mkdir(parents=True)
+    (job_dir / "n5" / layout.CKPT_DIR / "run").mkdir(parents=True)  # no journal
+    (job_dir / "elsewhere").mkdir()
+    (job_dir / "n9").symlink_to(job_dir / "n0", target_is_directory=True)
+    found = slurm.node_dirs(job_dir)
+    assert found == [job_dir / "n0", job_dir / "n3", job_dir / "n3" / "own-root"]
+
+
+@as_root
+def test_the_prolog_hands_over_no_directory_it_did_not_make_for_the_user(site):
+    env = hook_env(site)
+    job_dir = site / "local" / "nobody" / "bbio-4242"
+    job_dir.parent.mkdir(parents=True)
+    job_dir.symlink_to(site / "pfs", target_is_directory=True)  # swapped in before the prolog
+    linked = run_python("-m", "bbio", "slurm", "prolog", env=env)
+    assert linked.returncode == 1 and "is not a directory" in linked.stderr
+    assert (site / "pfs").stat().st_mode & 0o777 != 0o700  # not chmodded through the link
+    job_dir.unlink()
+    job_dir.mkdir()
+    os.chown(job_dir, 1, 1)  # made by someone else (uid 1) before the job
+    taken = run_python("-m", "bbio", "slurm", "prolog", env=env)
+    assert taken.returncode == 1 and "belongs to uid 1" in taken.stderr
+    assert job_dir.stat().st_uid == 1
 
 
 @pytest.mark.parametrize(

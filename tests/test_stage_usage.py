@@ -328,3 +328,39 @@ def test_filters_that_select_nothing_say_so(comm, shared_tmp, src):
     assert everything.warnings == [] and "warning" not in everything.report()
     packed = bbio.pack(comm, src, shared_tmp / "p", exclude=["*"], config=config)
     assert packed.samples == 0 and "selected no file" in packed.report()
+
+
+@pytest.mark.parametrize("direction", ["stage-in", "stage-out"])
+def test_a_file_that_changed_before_its_copy_is_verified_as_copied(
+    comm, shared_tmp, src, monkeypatch, direction
+):
+    """The walk saw f5 at 6000 bytes; it grew before the copy, which copied it again at its
+    new size: --verify compares with that, keeps the copy, and the manifest records it."""
+    from bbio.stage import run
+    from bbio.transfer import files
+
+    config = two_nodes(comm, shared_tmp)
+    if direction == "stage-in":
+        source, dst = src, shared_tmp / "bb" / "{node}" / "grown"
+    else:
+        bbio.stage_in(comm, src, shared_tmp / "bb" / "{node}" / "results", config=config)
+        source, dst = shared_tmp / "bb" / "{node}" / "results", shared_tmp / "out"
+    real_walk = run.walk
+
+    def walk_then_grow(comm_, root, *args):
+        tree = real_walk(comm_, root, *args)
+        comm_.Barrier()
+        if comm_.Get_rank() == 0:
+            with open(Path(root) / "d1" / "f5.bin", "ab") as f:
+                f.write(b"+" * 100)
+        comm_.Barrier()
+        return tree
+
+    monkeypatch.setattr(run, "walk", walk_then_grow)
+    call = bbio.stage_in if direction == "stage-in" else bbio.stage_out
+    summary = call(comm, source, dst, verify=True, config=config)
+    assert summary.verified
+    copy_root = Path(str(dst).replace("{node}", "1"))
+    assert (copy_root / "d1" / "f5.bin").stat().st_size == 6100
+    sizes = {e.path: e.size for e in files.read_manifest(copy_root).entries}
+    assert sizes["d1/f5.bin"] == 6100

@@ -518,7 +518,15 @@ class Checkpointer:
         raises :class:`UsageError` on every rank instead.
         """
         self._check_open()
-        same_arguments(self.comm, f"checkpoint {self.name}: restore", {"step": step})
+        same_arguments(  # each rank's want and from_rank may differ, not whether it gives one
+            self.comm,
+            f"checkpoint {self.name}: restore",
+            {
+                "step": step,
+                "want given": want is not None,
+                "from_rank given": from_rank is not None,
+            },
+        )
         comm = self.comm
         pfs_steps: list[int] = []
         with agreed(comm, f"checkpoint {self.name}: listing checkpoints"):

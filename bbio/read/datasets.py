@@ -914,7 +914,7 @@ def _sample_ids(ids, rank: int, path: Path) -> np.ndarray:
             path=path,
             hint=hint,
         )
-    return array.astype(np.int64).reshape(-1)
+    return array.astype(np.int64, copy=False).reshape(-1)
 
 
 def _open(comm, path, dataset, record_bytes, sample_shape, dtype, header_bytes, config) -> Dataset:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import os
 import time
 from collections.abc import Sequence
@@ -203,14 +202,10 @@ def _reserve(f, nbytes: int) -> None:
 
     HDF5 must never meet a full device: after a failed write it cannot close
     the file cleanly, and the process crashes when it exits.  A full device
-    fails here instead, before any sample is written.
+    fails here instead, before any sample is written (where the file system
+    cannot reserve space, nothing is reserved).
     """
-    try:
-        os.posix_fallocate(f.id.get_vfd_handle(), 0, nbytes)
-    except OSError as exc:
-        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
-            raise
-        # the file system cannot reserve space: write without
+    _native.preallocate(f.id.get_vfd_handle(), nbytes, at_least=0)
 
 
 def _check_capacity(out: Path, shards: Sequence[Sequence[Entry]]) -> None:

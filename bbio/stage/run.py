@@ -245,9 +245,11 @@ def _refresh(comm, root: Path, paths: Sequence[str]) -> dict[str, Entry]:
 
 @dataclasses.dataclass
 class _Copied:
-    """Per node: CRC32C of each committed file, how many, their bytes, bytes read."""
+    """Per node: CRC32C of each committed file, its entry as committed (a file that changed
+    while copied has its new size and mtime), how many, their bytes, bytes read."""
 
     crcs: dict[str, int] = dataclasses.field(default_factory=dict)
+    entries: dict[str, Entry] = dataclasses.field(default_factory=dict)
     bytes_written: int = 0
     files: int = 0
     source_bytes_read: int = 0
@@ -331,6 +333,7 @@ def _copy_loop(job: _Transfer, todo: list[Entry]) -> _Copied:
     for paths in plan.commit_rounds(sizes, job.config.stage_round_bytes):
         part = _copy_round(job, [mine[p] for p in paths if p in mine], progress)
         copied.crcs.update(part.crcs)
+        copied.entries.update(part.entries)
         copied.files += part.files
         copied.bytes_written += part.bytes_written
         copied.source_bytes_read += part.source_bytes_read
@@ -410,6 +413,7 @@ def _copy_round(job: _Transfer, todo: list[Entry], progress: Progress) -> _Copie
         node_crcs = allgather_dict(topo.node_comm, crcs)
         changed = set().union(*topo.node_comm.allgather(changed))
         copied.crcs.update(node_crcs)
+        copied.entries.update({p: entries[p] for p in node_crcs})
         copied.files += len(node_crcs)
         copied.bytes_written += sum(entries[p].size for p in node_crcs)
         copied.source_bytes_read += comm.allreduce(outcome.source_bytes_read)
@@ -478,12 +482,21 @@ def _crcs_of_unchanged(
 
 
 def _verify_copies(
-    comm, root: Path, crcs: dict[str, int], entries: dict[str, Entry], node: int | None
+    comm,
+    root: Path,
+    crcs: dict[str, int],
+    entries: dict[str, Entry],
+    node: int | None,
+    delete: bool,
 ) -> None:
-    """Collective over ``comm``: re-read the files of ``crcs`` from the device and compare.
+    """Collective over ``comm``: re-read the files of ``crcs`` from the device and compare
+    with ``entries`` (as committed).
 
-    A copy that differs is deleted (its source is untouched), so that the next
-    run, which skips files of the source's size and mtime, copies it again.
+    A copy that differs must be copied again, but a rerun skips a file of the
+    source's size and mtime: with ``delete`` (burst-buffer copies, which the
+    reader would otherwise still serve) it is deleted, else (a stage-out's
+    destination, the user's results) its mtime is set to 0 and its bytes kept.
+    The source is never touched.
     """
 
     def check() -> list[str]:
@@ -492,9 +505,12 @@ def _verify_copies(
             size, crc = files.checksum_file(root / path, drop_cache=True)
             if size != entries[path].size or crc != crcs[path]:
                 try:
-                    (root / path).unlink()
+                    if delete:
+                        (root / path).unlink()
+                    else:
+                        os.utime(root / path, ns=(0, 0), follow_symlinks=False)
                 except OSError as exc:
-                    raise from_oserror(exc, "delete the damaged copy", root / path) from None
+                    raise from_oserror(exc, "mark the damaged copy", root / path) from None
                 bad.append(
                     f"{root / path} (expected {entries[path].size} bytes, CRC32C "
                     f"{crcs[path]:08x}; read {size} bytes, {crc:08x})"
@@ -503,9 +519,9 @@ def _verify_copies(
 
     bad = sorted(b for part in agreed_allgather(comm, f"re-reading {root}", check) for b in part)
     if bad:
+        done = "were deleted" if delete else "were marked (mtime 0) to be copied again"
         raise IntegrityError(
-            f"{len(bad)} file(s) differ from what was copied and were deleted: "
-            + "; ".join(bad[:10]),
+            f"{len(bad)} file(s) differ from what was copied and {done}: " + "; ".join(bad[:10]),
             node=node,
             hint="the device may be failing; rerun the command to copy them again",
         )
@@ -653,15 +669,17 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
         node_crcs.update(_crcs_of_unchanged(topo.node_comm, dst_root, unchanged, old))
     if verify:
         with agreed(comm, "stage-in: verifying"):
-            _verify_copies(
-                topo.node_comm, dst_root, node_crcs, {e.path: e for e in mine}, topo.node
-            )
+            committed = {**{e.path: e for e in mine}, **copied.entries}
+            _verify_copies(topo.node_comm, dst_root, node_crcs, committed, topo.node, delete=True)
     all_crcs = allgather_dict(topo.leader_comm, node_crcs) if topo.is_leader else {}
+    all_copied = allgather_dict(topo.leader_comm, copied.entries) if topo.is_leader else {}
     with agreed(comm, "stage-in: finishing directories and writing the manifest"):
         if topo.is_leader:
             _finish_dirs(dst_root, dirs)
             manifest_entries = [
-                e.committed(all_crcs.get(e.path), holder.get(e.path) if mode == "shard" else None)
+                all_copied.get(e.path, e).committed(
+                    all_crcs.get(e.path), holder.get(e.path) if mode == "shard" else None
+                )
                 for e in entries
                 if e.path not in given_up
             ]
@@ -848,11 +866,12 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
     todo_paths = {e.path for e in todo_all}
     unchanged = [e for e in everything if e.kind == FILE and e.path not in todo_paths]
     crcs = allgather_dict(comm, copied.crcs if topo.is_leader else {})
+    committed = {**merged, **allgather_dict(comm, copied.entries if topo.is_leader else {})}
     with agreed(comm, "stage-out: checksums of files already in place"):
         crcs.update(_crcs_of_unchanged(comm, dst_root, unchanged, old))
     if verify:
         with agreed(comm, "stage-out: verifying"):
-            _verify_copies(comm, dst_root, crcs, merged, None)
+            _verify_copies(comm, dst_root, crcs, committed, None, delete=False)
     given_up = {s.path for s in skipped}
     with agreed(comm, "stage-out: finishing directories and writing the manifest"):
         if comm.Get_rank() == 0:
@@ -862,7 +881,7 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
                 Manifest(
                     "stage-out",
                     [
-                        e.committed(crcs.get(e.path), chosen[e.path])
+                        committed[e.path].committed(crcs.get(e.path), chosen[e.path])
                         for e in everything
                         if e.path not in given_up
                     ],
