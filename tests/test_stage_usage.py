@@ -364,3 +364,28 @@ def test_a_file_that_changed_before_its_copy_is_verified_as_copied(
     assert (copy_root / "d1" / "f5.bin").stat().st_size == 6100
     sizes = {e.path: e.size for e in files.read_manifest(copy_root).entries}
     assert sizes["d1/f5.bin"] == 6100
+
+
+def test_a_damaged_stage_out_copy_is_kept_marked_and_copied_again(comm, shared_tmp, src):
+    config = two_nodes(comm, shared_tmp)
+    results, out = shared_tmp / "bb" / "{node}" / "results", shared_tmp / "out"
+    bbio.stage_in(comm, src, results, config=config)
+    bbio.stage_out(comm, results, out, config=config)
+    victim = out / "d1" / "f3.bin"
+    comm.Barrier()
+    if comm.Get_rank() == 0:  # one byte flipped on the PFS, size and mtime kept
+        st = victim.stat()
+        with open(victim, "r+b") as f:
+            f.seek(10)
+            byte = f.read(1)[0]
+            f.seek(10)
+            f.write(bytes([byte ^ 0xFF]))
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    comm.Barrier()
+    with pytest.raises(bbio.IntegrityError) as info:
+        bbio.stage_out(comm, results, out, verify=True, config=config)
+    assert "marked (mtime 0)" in same_everywhere(comm, info.value)
+    assert victim.stat().st_mtime_ns == 0 and victim.stat().st_size == 4000  # bytes kept
+    again = bbio.stage_out(comm, results, out, verify=True, config=config)
+    assert again.verified and again.files == 1
+    assert victim.read_bytes() == (src / "d1" / "f3.bin").read_bytes()
