@@ -54,6 +54,20 @@ def tmpfs(comm, where: Path, size: str, *options: str):
             subprocess.run(["umount", str(where)], check=True)
 
 
+def damage(comm, victim: Path) -> None:
+    """Rank 0 flips one byte of ``victim``, keeping its size and mtime (a failing device)."""
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        st = victim.stat()
+        with open(victim, "r+b") as f:
+            f.seek(10)
+            byte = f.read(1)[0]
+            f.seek(10)
+            f.write(bytes([byte ^ 0xFF]))
+        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    comm.Barrier()
+
+
 def temp_files(root: Path) -> list[Path]:
     return list(root.rglob("*.bbio-part"))
 
@@ -170,16 +184,7 @@ def test_a_copy_found_damaged_is_copied_again_by_the_next_run(comm, shared_tmp, 
     dst = shared_tmp / "bb" / "{node}" / "v"
     bbio.stage_in(comm, src, dst, config=config)
     victim = shared_tmp / "bb" / "1" / "v" / "d1" / "f3.bin"
-    comm.Barrier()
-    if comm.Get_rank() == 0:  # one byte flipped, size and mtime kept: a failing device
-        st = victim.stat()
-        with open(victim, "r+b") as f:
-            f.seek(10)
-            byte = f.read(1)[0]
-            f.seek(10)
-            f.write(bytes([byte ^ 0xFF]))
-        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
-    comm.Barrier()
+    damage(comm, victim)
     with pytest.raises(bbio.IntegrityError) as info:
         bbio.stage_in(comm, src, dst, verify=True, config=config)
     message = same_everywhere(comm, info.value)
@@ -372,16 +377,7 @@ def test_a_damaged_stage_out_copy_is_kept_marked_and_copied_again(comm, shared_t
     bbio.stage_in(comm, src, results, config=config)
     bbio.stage_out(comm, results, out, config=config)
     victim = out / "d1" / "f3.bin"
-    comm.Barrier()
-    if comm.Get_rank() == 0:  # one byte flipped on the PFS, size and mtime kept
-        st = victim.stat()
-        with open(victim, "r+b") as f:
-            f.seek(10)
-            byte = f.read(1)[0]
-            f.seek(10)
-            f.write(bytes([byte ^ 0xFF]))
-        os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
-    comm.Barrier()
+    damage(comm, victim)
     with pytest.raises(bbio.IntegrityError) as info:
         bbio.stage_out(comm, results, out, verify=True, config=config)
     assert "marked (mtime 0)" in same_everywhere(comm, info.value)
