@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import multiprocessing
 import os
 import pwd
@@ -101,13 +102,16 @@ def node_dirs(job_root: Path) -> list[Path]:
     directory D with D/ckpt/NAME/.journal (the hooks run without MPI and cannot know a
     host's node index; a checkpointer may also have been given its own ``bb_root``
     there).  Symlinks are not followed."""
-    found = {
-        journal.parent.parent.parent
-        for journal in job_root.rglob(drain.JOURNAL)
-        if journal.parent.parent.name == layout.CKPT_DIR
-        and journal.is_dir()
-        and not journal.is_symlink()
-    }
+    try:
+        found = {
+            journal.parent.parent.parent
+            for journal in job_root.rglob(drain.JOURNAL)
+            if journal.parent.parent.name == layout.CKPT_DIR
+            and journal.is_dir()
+            and not journal.is_symlink()
+        }
+    except OSError as exc:  # changed meanwhile (another job of the user's on this node)
+        raise from_oserror(exc, "look for checkpoint journals in", job_root) from None
     return sorted(found)
 
 
@@ -124,7 +128,9 @@ def prolog(config: Config, job: Job) -> Path:
         path.mkdir(mode=0o700)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    except OSError:
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise from_oserror(exc, "open the job's burst-buffer directory", path) from None
         raise ConfigError(
             "the job's burst-buffer path exists and is not a directory",
             path=path,
@@ -170,7 +176,9 @@ def epilog(config: Config, job: Job, timeout: float | None) -> Epilog:
     try:
         shutil.rmtree(path)
     except OSError as exc:
-        raise from_oserror(exc, "remove the job's burst-buffer directory", path) from None
+        raise from_oserror(
+            exc, "remove the job's burst-buffer directory", exc.filename or path
+        ) from None
     return Epilog(path, [], True)
 
 

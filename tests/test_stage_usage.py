@@ -385,3 +385,40 @@ def test_a_damaged_stage_out_copy_is_kept_marked_and_copied_again(comm, shared_t
     again = bbio.stage_out(comm, results, out, verify=True, config=config)
     assert again.verified and again.files == 1
     assert victim.read_bytes() == (src / "d1" / "f3.bin").read_bytes()
+
+
+def test_each_node_records_its_own_copy_when_the_source_changed_between_runs(
+    comm, shared_tmp, src, monkeypatch
+):
+    """Node 0 lost its copy of f5; the source grew after the rerun's walk: node 0 copies
+    the new version, node 1 keeps the old one.  Each manifest describes its own file, so
+    a later --verify finds nothing wrong."""
+    from bbio.stage import run
+    from bbio.transfer import files
+
+    config = two_nodes(comm, shared_tmp)
+    dst = shared_tmp / "bb" / "{node}" / "mixed"
+    bbio.stage_in(comm, src, dst, config=config)
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        (shared_tmp / "bb" / "0" / "mixed" / "d1" / "f5.bin").unlink()
+    real_walk = run.walk
+
+    def walk_then_grow(comm_, root, *args):
+        tree = real_walk(comm_, root, *args)
+        comm_.Barrier()
+        if comm_.Get_rank() == 0:
+            with open(Path(root) / "d1" / "f5.bin", "ab") as f:
+                f.write(b"+" * 100)
+        comm_.Barrier()
+        return tree
+
+    monkeypatch.setattr(run, "walk", walk_then_grow)
+    bbio.stage_in(comm, src, dst, verify=True, config=config)
+    monkeypatch.setattr(run, "walk", real_walk)
+    for node in (0, 1):
+        root = shared_tmp / "bb" / str(node) / "mixed"
+        entry = files.read_manifest(root).by_path()["d1/f5.bin"]
+        assert (entry.size, entry.crc32c) == files.checksum_file(root / "d1" / "f5.bin")
+    comm.Barrier()
+    assert bbio.stage_in(comm, src, dst, verify=True, config=config).verified

@@ -507,8 +507,9 @@ def _verify_copies(
                 try:
                     if delete:
                         (root / path).unlink()
-                    else:
-                        os.utime(root / path, ns=(0, 0), follow_symlinks=False)
+                    else:  # an mtime no source has now, so that the rerun sees it differ
+                        stale = 1 if entries[path].mtime_ns == 0 else 0
+                        os.utime(root / path, ns=(stale, stale), follow_symlinks=False)
                 except OSError as exc:
                     raise from_oserror(exc, "mark the damaged copy", root / path) from None
                 bad.append(
@@ -667,18 +668,19 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     node_crcs = dict(copied.crcs)
     with agreed(comm, "stage-in: checksums of files already in place"):
         node_crcs.update(_crcs_of_unchanged(topo.node_comm, dst_root, unchanged, old))
+    as_copied = {**{e.path: e for e in mine}, **copied.entries}  # this node's files
     if verify:
         with agreed(comm, "stage-in: verifying"):
-            committed = {**{e.path: e for e in mine}, **copied.entries}
-            _verify_copies(topo.node_comm, dst_root, node_crcs, committed, topo.node, delete=True)
+            _verify_copies(topo.node_comm, dst_root, node_crcs, as_copied, topo.node, delete=True)
     all_crcs = allgather_dict(topo.leader_comm, node_crcs) if topo.is_leader else {}
     all_copied = allgather_dict(topo.leader_comm, copied.entries) if topo.is_leader else {}
     with agreed(comm, "stage-in: finishing directories and writing the manifest"):
         if topo.is_leader:
             _finish_dirs(dst_root, dirs)
             manifest_entries = [
-                all_copied.get(e.path, e).committed(
-                    all_crcs.get(e.path), holder.get(e.path) if mode == "shard" else None
+                (as_copied.get(e.path) or all_copied.get(e.path, e)).committed(
+                    node_crcs.get(e.path, all_crcs.get(e.path)),
+                    holder.get(e.path) if mode == "shard" else None,
                 )
                 for e in entries
                 if e.path not in given_up
@@ -762,7 +764,8 @@ def stage_out(
     Every rank must pass the same arguments, every node must hold ``src``, and
     ``dst`` (one directory for all nodes: no ``{node}``) must not lie inside a
     node's ``src``: else every rank raises the same error.  A copy that
-    ``verify`` finds damaged is deleted, so that a rerun copies it again.
+    ``verify`` finds damaged is kept with its mtime set to 0 (1 if the source's is
+    0), so that a rerun copies it again.
     """
     config = config or load_config()
     _agree_on_arguments(
