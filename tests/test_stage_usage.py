@@ -68,6 +68,26 @@ def damage(comm, victim: Path) -> None:
     comm.Barrier()
 
 
+def grow_f5_after_the_walk(monkeypatch) -> None:
+    """The next walks of a source (really done) are followed by 100 bytes appended to its
+    d1/f5.bin by the first rank of the walk's communicator: a file that changes between
+    the walk and its copy."""
+    from bbio.stage import run
+
+    real_walk = run.walk
+
+    def walk_then_grow(comm_, root, *args):
+        tree = real_walk(comm_, root, *args)
+        comm_.Barrier()
+        if comm_.Get_rank() == 0:
+            with open(Path(root) / "d1" / "f5.bin", "ab") as f:
+                f.write(b"+" * 100)
+        comm_.Barrier()
+        return tree
+
+    monkeypatch.setattr(run, "walk", walk_then_grow)
+
+
 def temp_files(root: Path) -> list[Path]:
     return list(root.rglob("*.bbio-part"))
 
@@ -341,7 +361,6 @@ def test_a_file_that_changed_before_its_copy_is_verified_as_copied(
 ):
     """The walk saw f5 at 6000 bytes; it grew before the copy, which copied it again at its
     new size: --verify compares with that, keeps the copy, and the manifest records it."""
-    from bbio.stage import run
     from bbio.transfer import files
 
     config = two_nodes(comm, shared_tmp)
@@ -350,18 +369,7 @@ def test_a_file_that_changed_before_its_copy_is_verified_as_copied(
     else:
         bbio.stage_in(comm, src, shared_tmp / "bb" / "{node}" / "results", config=config)
         source, dst = shared_tmp / "bb" / "{node}" / "results", shared_tmp / "out"
-    real_walk = run.walk
-
-    def walk_then_grow(comm_, root, *args):
-        tree = real_walk(comm_, root, *args)
-        comm_.Barrier()
-        if comm_.Get_rank() == 0:
-            with open(Path(root) / "d1" / "f5.bin", "ab") as f:
-                f.write(b"+" * 100)
-        comm_.Barrier()
-        return tree
-
-    monkeypatch.setattr(run, "walk", walk_then_grow)
+    grow_f5_after_the_walk(monkeypatch)
     call = bbio.stage_in if direction == "stage-in" else bbio.stage_out
     summary = call(comm, source, dst, verify=True, config=config)
     assert summary.verified
@@ -393,7 +401,6 @@ def test_each_node_records_its_own_copy_when_the_source_changed_between_runs(
     """Node 0 lost its copy of f5; the source grew after the rerun's walk: node 0 copies
     the new version, node 1 keeps the old one.  Each manifest describes its own file, so
     a later --verify finds nothing wrong."""
-    from bbio.stage import run
     from bbio.transfer import files
 
     config = two_nodes(comm, shared_tmp)
@@ -402,20 +409,9 @@ def test_each_node_records_its_own_copy_when_the_source_changed_between_runs(
     comm.Barrier()
     if comm.Get_rank() == 0:
         (shared_tmp / "bb" / "0" / "mixed" / "d1" / "f5.bin").unlink()
-    real_walk = run.walk
-
-    def walk_then_grow(comm_, root, *args):
-        tree = real_walk(comm_, root, *args)
-        comm_.Barrier()
-        if comm_.Get_rank() == 0:
-            with open(Path(root) / "d1" / "f5.bin", "ab") as f:
-                f.write(b"+" * 100)
-        comm_.Barrier()
-        return tree
-
-    monkeypatch.setattr(run, "walk", walk_then_grow)
+    grow_f5_after_the_walk(monkeypatch)
     bbio.stage_in(comm, src, dst, verify=True, config=config)
-    monkeypatch.setattr(run, "walk", real_walk)
+    monkeypatch.undo()
     for node in (0, 1):
         root = shared_tmp / "bb" / str(node) / "mixed"
         entry = files.read_manifest(root).by_path()["d1/f5.bin"]
