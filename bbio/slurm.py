@@ -21,7 +21,6 @@ import os
 import pwd
 import shutil
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -72,8 +71,11 @@ def job_config(config: Config, job: Job) -> Config:
     return dataclasses.replace(config, job_id=job.id, user=job.user)
 
 
-def _job_component(config: Config) -> int:
-    """The index of ``bb_root``'s path component that holds {job}; ConfigError without one."""
+def job_dir(config: Config) -> Path:
+    """The job's directory: ``bb_root`` up to its component with {job}, expanded.
+
+    Raises :class:`ConfigError` if ``bb_root`` has no {job}, or {node} up to it.
+    """
     parts = Path(config.bb_root).parts
     index = next((i for i, part in enumerate(parts) if "{job}" in part), None)
     if index is None:
@@ -82,37 +84,30 @@ def _job_component(config: Config) -> int:
             "directory per job, and would remove what other jobs on this node still use",
             hint="set bb_root in /etc/bbio/bbio.toml to e.g. /local/nvme/bbio/{job}",
         )
-    if "{node}" in os.path.join(*parts[: index + 1]):
+    template = os.path.join(*parts[: index + 1])
+    if "{node}" in template:
         raise ConfigError(
             f"bb_root {config.bb_root} has {{node}} before or beside {{job}}: the hooks "
             "cannot know which node index this host has in the job",
             hint="put {node} in a component below the job's, e.g. /local/nvme/bbio/{job}/{node}",
         )
-    return index
+    return config.expand(template)
 
 
-def job_dir(config: Config) -> Path:
-    """The job's directory: ``bb_root`` up to the component with {job}, expanded."""
-    parts = Path(config.bb_root).parts
-    return config.expand(os.path.join(*parts[: _job_component(config) + 1]))
-
-
-def node_dirs(job_root: Path) -> list[Path]:
-    """The burst buffers under ``job_root`` that hold checkpoint journals: every
-    directory D with D/ckpt/NAME/.journal (the hooks run without MPI and cannot know a
-    host's node index; a checkpointer may also have been given its own ``bb_root``
-    there).  Symlinks are not followed."""
+def journals_under(job_root: Path) -> list[Path]:
+    """Every checkpoint journal under ``job_root`` (D/ckpt/NAME/.journal at any depth: the
+    hooks run without MPI and cannot know a host's node index, and a checkpointer may
+    have been given its own ``bb_root`` there).  Symlinks are not followed."""
     try:
-        found = {
-            journal.parent.parent.parent
+        return sorted(
+            journal
             for journal in job_root.rglob(drain.JOURNAL)
             if journal.parent.parent.name == layout.CKPT_DIR
             and journal.is_dir()
             and not journal.is_symlink()
-        }
+        )
     except OSError as exc:  # changed meanwhile (another job of the user's on this node)
         raise from_oserror(exc, "look for checkpoint journals in", job_root) from None
-    return sorted(found)
 
 
 def prolog(config: Config, job: Job) -> Path:
@@ -170,7 +165,7 @@ def epilog(config: Config, job: Job, timeout: float | None) -> Epilog:
     path = job_dir(job_config(config, job))
     if not path.exists():
         return Epilog(path, [], False)
-    failed = _finish_as(job, node_dirs(path), timeout)
+    failed = _finish_as(job, journals_under(path), timeout)
     if failed:
         return Epilog(path, failed, False)
     try:
@@ -182,43 +177,34 @@ def epilog(config: Config, job: Job, timeout: float | None) -> Epilog:
     return Epilog(path, [], True)
 
 
-def _finish_as(job: Job, directories: list[Path], timeout: float | None) -> list[str]:
-    """:func:`admin.finish` of ``directories``, as the job's user when this runs as root
-    (a child process that drops root's privileges: the PFS sees the user's files)."""
+def _finish_as(job: Job, journals: list[Path], timeout: float | None) -> list[str]:
+    """:func:`admin.finish_journals` of ``journals``, as the job's user when this runs as
+    root (a child process that drops root's privileges: the PFS sees the user's files)."""
     if os.geteuid() != 0 or job.uid == 0:
-        return _finish(directories, timeout)
+        return admin.finish_journals(journals, timeout)
     _load_drain_code()
     context = multiprocessing.get_context("fork")
     receiving, sending = context.Pipe(duplex=False)
-    child = context.Process(target=_finish_in_child, args=(job, directories, timeout, sending))
+    child = context.Process(target=_finish_in_child, args=(job, journals, timeout, sending))
     child.start()
     sending.close()
     try:
         failed = receiving.recv()
     except EOFError:  # the child died before it could answer
-        failed = [f"{d} (the drain as user {job.user} ended abnormally)" for d in directories]
+        failed = [f"{j} (the drain as user {job.user} ended abnormally)" for j in journals]
     child.join()
     return failed
 
 
-def _finish(directories: list[Path], timeout: float | None) -> list[str]:
-    deadline = None if timeout is None else time.monotonic() + timeout
-    failed = []
-    for directory in directories:
-        left = None if deadline is None else max(deadline - time.monotonic(), 1.0)
-        failed += admin.finish(directory, left).failed
-    return failed
-
-
-def _finish_in_child(job: Job, directories: list[Path], timeout: float | None, sending) -> None:
+def _finish_in_child(job: Job, journals: list[Path], timeout: float | None, sending) -> None:
     try:
         os.setgroups(os.getgrouplist(job.user, job.gid))
         os.setgid(job.gid)
         os.setuid(job.uid)
-        sending.send(_finish(directories, timeout))
+        sending.send(admin.finish_journals(journals, timeout))
     except Exception as exc:  # say why in the epilog's log; the parent keeps the data
         print(f"bbio epilog: draining as {job.user} failed: {exc}", file=sys.stderr)
-        sending.send([f"{d} ({exc})" for d in directories])
+        sending.send([f"{j} ({exc})" for j in journals])
 
 
 def _load_drain_code() -> None:

@@ -116,7 +116,7 @@ def test_a_different_step_on_one_rank_is_a_usage_error_everywhere(comm, shared_t
     with bbio.Checkpointer(comm, "s", config=config_for(comm, shared_tmp)) as ckpt:
         with pytest.raises(bbio.UsageError) as info:
             ckpt.save(3 + (rank == 1), state(3, rank))
-        assert "rank 0: 3, rank 1: 4" in same_everywhere(comm, info.value)
+        assert "step: rank 0 3, rank 1 4" in same_everywhere(comm, info.value)
         ckpt.save(5, state(5, rank))  # the checkpointer still works
         assert [i.step for i in ckpt.list()] == [5]
 

@@ -112,8 +112,9 @@ def test_the_job_directory_is_bb_root_up_to_the_job_and_journals_are_found_below
     (job_dir / "n5" / layout.CKPT_DIR / "run").mkdir(parents=True)  # no journal
     (job_dir / "elsewhere").mkdir()
     (job_dir / "n9").symlink_to(job_dir / "n0", target_is_directory=True)
-    found = slurm.node_dirs(job_dir)
-    assert found == [job_dir / "n0", job_dir / "n3", job_dir / "n3" / "own-root"]
+    found = slurm.journals_under(job_dir)
+    expected = [job_dir / "n0", job_dir / "n3", job_dir / "n3" / "own-root"]
+    assert found == [drain.journal_dir(d / layout.CKPT_DIR / "run") for d in expected]
 
 
 @as_root

@@ -153,6 +153,12 @@ def finish(bb_root: Path, timeout: float | None) -> Drained:
         )
     journals = list(drain.journals(bb_root))
     queued = {journal.parent.name: len(drain.pending(journal)) for journal in journals}
+    return Drained(bb_root, queued, finish_journals(journals, timeout))
+
+
+def finish_journals(journals: list[Path], timeout: float | None) -> list[str]:
+    """Drain each of ``journals`` to the end, all within ``timeout``, as :func:`finish`
+    does; returns those that could not be drained.  Not collective."""
     failed = []
     deadline = None if timeout is None else time.monotonic() + timeout
     for journal in journals:
@@ -160,7 +166,7 @@ def finish(bb_root: Path, timeout: float | None) -> Drained:
         if drain.run(journal, parent=None, finish=True, timeout=left) != 0:
             failed.append(str(journal))
         drain.commit_ready(journal)
-    return Drained(bb_root, queued, failed)
+    return failed
 
 
 def wait_committed(pfs_root: Path, name: str, step: int, timeout: float | None) -> None:

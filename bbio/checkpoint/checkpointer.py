@@ -193,6 +193,7 @@ class Checkpointer:
         """
         self._check_open()
         comm = self.comm
+        same_arguments(comm, f"checkpoint {self.name}: save", {"step": step})
 
         def check() -> tuple:
             layout.step_dirname(step)
@@ -203,19 +204,17 @@ class Checkpointer:
                 free = files.free_bytes(self.bb_dir) + drain.spare_bytes(self.bb_dir, self.node)
                 old_copy = self._has_bb_copy(step)
                 (self.bb_dir / layout.step_dirname(step)).mkdir(parents=True, exist_ok=True)
-            kind = layout.layout_of(arrays)
-            return kind, spec, time.time(), self.node, free, step, old_copy, user_attrs
+            return (
+                layout.layout_of(arrays),
+                spec,
+                time.time(),
+                self.node,
+                free,
+                old_copy,
+                user_attrs,
+            )
 
         checked = agreed_allgather(comm, f"checkpoint {self.name} step {step}: checking", check)
-        steps = [c[5] for c in checked]
-        other = next((r for r, s in enumerate(steps) if s != steps[0]), None)
-        if other is not None:
-            self._drop_unused_bb_step_dir(step)
-            raise UsageError(
-                f"checkpoint {self.name}: the ranks passed different steps to save "
-                f"(rank 0: {steps[0]}, rank {other}: {steps[other]})",
-                hint="save is collective: every rank saves the same step",
-            )
         kinds = {kind for kind, *_ in checked}
         if len(kinds) != 1:
             self._drop_unused_bb_step_dir(step)

@@ -10,7 +10,8 @@ table (sample -> file, offset, length):
 * a directory of files, one sample per file, in path order.
 
 The dataset is always the PFS copy's full contents: a directory is listed
-on the PFS, a pack by its index.  Each file staged into this node's burst
+from a complete staged copy's manifest, else on the PFS; a pack by its
+index.  Each file staged into this node's burst
 buffer (the node's staging registry and manifest say so, with the size the
 dataset expects) is read there; in shard mode the node holding a file serves
 it.  Every other file, such as one a filtered stage-in left out, is read from

@@ -869,12 +869,12 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
     todo_paths = {e.path for e in todo_all}
     unchanged = [e for e in everything if e.kind == FILE and e.path not in todo_paths]
     crcs = allgather_dict(comm, copied.crcs if topo.is_leader else {})
-    committed = {**merged, **allgather_dict(comm, copied.entries if topo.is_leader else {})}
+    as_copied = {**merged, **allgather_dict(comm, copied.entries if topo.is_leader else {})}
     with agreed(comm, "stage-out: checksums of files already in place"):
         crcs.update(_crcs_of_unchanged(comm, dst_root, unchanged, old))
     if verify:
         with agreed(comm, "stage-out: verifying"):
-            _verify_copies(comm, dst_root, crcs, committed, None, delete=False)
+            _verify_copies(comm, dst_root, crcs, as_copied, None, delete=False)
     given_up = {s.path for s in skipped}
     with agreed(comm, "stage-out: finishing directories and writing the manifest"):
         if comm.Get_rank() == 0:
@@ -884,7 +884,7 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
                 Manifest(
                     "stage-out",
                     [
-                        committed[e.path].committed(crcs.get(e.path), chosen[e.path])
+                        as_copied[e.path].committed(crcs.get(e.path), chosen[e.path])
                         for e in everything
                         if e.path not in given_up
                     ],
