@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,15 @@ def test_ls_and_verify_fail_on_roots_or_names_that_exist_nowhere(tmp_path, actio
     assert f"no checkpointer 'rnu' in {tmp_path / 'bb' / '0' / 'ckpt'} or " in typo.stderr
     assert "Checkpointers there: run" in typo.stderr and "Traceback" not in typo.stderr
     assert bbio_ckpt(tmp_path, action, "run").returncode == 0
+
+
+def test_wait_for_a_name_that_exists_nowhere_fails_at_once(tmp_path):
+    (tmp_path / "pfs" / "ckpt" / "run").mkdir(parents=True)
+    started = time.monotonic()
+    typo = bbio_ckpt(tmp_path, "wait", "rnu", "--step", "1", "--timeout", "60")
+    assert time.monotonic() - started < 30  # not polled until the timeout
+    assert typo.returncode == 1 and not typo.stdout
+    assert "no checkpointer 'rnu' in" in typo.stderr and "Checkpointers there: run" in typo.stderr
 
 
 def test_wait_without_a_copy_here_suggests_step(tmp_path):

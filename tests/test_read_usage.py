@@ -87,6 +87,22 @@ def test_loader_arguments_that_differ_between_ranks_are_one_usage_error(comm, da
         assert len(ds.read([0])) == 1  # the dataset's collectives are still in step
 
 
+@pytest.mark.timeout(60)  # before the fix this hung
+def test_ranks_that_pass_different_datasets_to_a_loader_get_one_usage_error(comm, data):
+    root, config = data
+    with (
+        bbio.open_dataset(comm, root / "files", config=config) as files,
+        bbio.open_dataset(comm, root / "files", config=config) as again,
+    ):
+        mine = again if last_rank(comm) else files
+        with pytest.raises(bbio.UsageError) as info:
+            bbio.Loader(comm, mine, batch_size=3, seed=0, prefetch=0)
+        message = same_everywhere(comm, info.value)
+        assert "Loader: the ranks passed different arguments (dataset: rank 0 " in message
+        assert f"{root / 'files'} opened as " in message, message
+        assert len(files.read([0])) == len(again.read([1])) == 1  # still in step
+
+
 @pytest.mark.timeout(60)
 def test_a_loader_on_a_reordered_communicator_is_refused(comm, data):
     root, config = data
@@ -249,6 +265,11 @@ RAW_CASES = {  # arguments, what the message says
     "negative header": (
         {"record_bytes": 4, "header_bytes": -7},
         "header_bytes must be at least 0, not -7",
+    ),
+    "partial record": (
+        {"record_bytes": 4, "header_bytes": 2},
+        "398 bytes after a header of 2 are not a whole number of 4-byte records "
+        "(99 records and 2 bytes over)",
     ),
     "bogus dtype": ({"sample_shape": (2,), "dtype": "bogus"}, "dtype='bogus' is not a NumPy"),
     "empty sample": ({"sample_shape": (0,), "dtype": "u1"}, "sample_shape must be at least 1"),

@@ -169,8 +169,16 @@ def finish_journals(journals: list[Path], timeout: float | None) -> list[str]:
     return failed
 
 
-def wait_committed(pfs_root: Path, name: str, step: int, timeout: float | None) -> None:
-    """Block until checkpoint ``name`` ``step`` is committed on the PFS.  Not collective."""
+def wait_committed(
+    bb_root: Path, pfs_root: Path, name: str, step: int, timeout: float | None
+) -> None:
+    """Block until checkpoint ``name`` ``step`` is committed on the PFS.  Not collective.
+
+    Raises :class:`NotFoundError` at once when ``name`` is neither on this
+    node's burst buffer ``bb_root`` nor on the PFS (a typo would wait for
+    ever), :class:`BBIOTimeoutError` at ``timeout``.
+    """
+    _names_to_look_at(bb_root, pfs_root, name)
     step_dir = pfs_root / layout.CKPT_DIR / name / layout.step_dirname(step)
     deadline = None if timeout is None else time.monotonic() + timeout
     while drain.read_manifest(step_dir) is None:

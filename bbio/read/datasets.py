@@ -31,6 +31,7 @@ import concurrent.futures
 import dataclasses
 import numbers
 import os
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -328,9 +329,17 @@ def _raw_layout(
             path=path,
             hint="pass the size of the header that precedes the records",
         )
-    return _fixed_layout(
-        "raw", path, size, header_bytes, (size - header_bytes) // record, sample_shape, dt
-    )
+    records, left = divmod(size - header_bytes, record)
+    if left:
+        raise UsageError(
+            f"the file's {size - header_bytes} bytes after a header of {header_bytes} are "
+            f"not a whole number of {record}-byte records ({records} records and {left} "
+            "bytes over)",
+            path=path,
+            hint="check record_bytes= (or sample_shape= and dtype=) and header_bytes=, "
+            "and that the file is not still being written",
+        )
+    return _fixed_layout("raw", path, size, header_bytes, records, sample_shape, dt)
 
 
 def _directory_layout(comm, root: Path, staged: Path | None) -> Layout:
@@ -400,7 +409,9 @@ class Dataset:
 
     ``read`` and ``close`` are collective over the communicator it was opened
     with (bbio uses a private duplicate of it).  ``len(ds)`` is the number of
-    samples; ``path`` the path it was opened with.
+    samples; ``path`` the path it was opened with; ``opening`` names this
+    opening, the same on every rank (a Loader checks that the ranks passed one
+    dataset).
     """
 
     def __init__(
@@ -412,6 +423,9 @@ class Dataset:
         self.config = config
         self.closed = False
         self.stats = ReadStats()
+        self.opening = comm.bcast(
+            f"{path} opened as {uuid.uuid4().hex[:12]}" if comm.Get_rank() == 0 else None
+        )
         topo = topology(comm, config.ranks_per_node)
         try:
             self.rank_node = topo.node_of_rank()

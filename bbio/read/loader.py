@@ -27,11 +27,12 @@ log = logging.getLogger("bbio")
 class Loader:
     """Iterate over batches: each rank gets its part of a global shuffle.
 
-    Collective over the dataset's communicator: every rank must create the
-    loader with the same arguments, iterate the same number of steps and call
-    :meth:`close` (or use ``with``).  ``comm`` must hold the dataset's ranks in
-    the same order (the communicator given to :func:`open_dataset`).  Invalid
-    or differing arguments raise the same :class:`UsageError` on every rank.
+    Collective over ``comm``, which must hold the dataset's ranks in the same
+    order (the communicator given to :func:`open_dataset`): every rank must
+    create the loader with the same dataset and arguments, iterate the same
+    number of steps and call :meth:`close` (or use ``with``).  Invalid or
+    differing arguments, or different datasets, raise the same
+    :class:`UsageError` on every rank.
     ``start_step`` resumes after that many steps (counted over all
     epochs), e.g. the step saved with a checkpoint.  Each element is what
     :meth:`Dataset.read` returns for this rank's ids of that step;
@@ -60,7 +61,10 @@ class Loader:
             )
         dataset.check_open()
         arguments: dict = {}
-        with agreed(dataset.comm, "Loader"):
+        # The caller's communicator, not the dataset's: ranks that pass different
+        # datasets would wait in collectives over different communicators.
+        common = comm if _is_communicator(comm) else dataset.comm
+        with agreed(common, "Loader"):
             _check_communicator(comm, dataset)
             where = dataset.path
             arguments = {
@@ -72,7 +76,8 @@ class Loader:
                 "prefetch": integer_argument("prefetch", prefetch, 0, where),
                 "start_step": integer_argument("start_step", start_step, 0, where),
             }
-        same_arguments(dataset.comm, f"Loader of {dataset.path}", arguments)
+        same_arguments(common, "Loader", {"dataset": dataset.opening})
+        same_arguments(common, f"Loader of {dataset.path}", arguments)
         self.dataset = dataset
         self.rank = dataset.comm.Get_rank()
         self.replicas = dataset.comm.Get_size()
@@ -205,7 +210,7 @@ def _check_communicator(comm, dataset: Dataset) -> None:
     """Raise unless ``comm`` holds ``dataset``'s ranks in the same order.  Not collective."""
     from mpi4py import MPI
 
-    if not isinstance(comm, MPI.Comm) or comm == MPI.COMM_NULL:
+    if not _is_communicator(comm):
         given = "a freed communicator" if comm == MPI.COMM_NULL else type(comm).__name__
         raise UsageError(
             f"Loader needs the communicator the dataset was opened with, not {given}",
@@ -219,6 +224,13 @@ def _check_communicator(comm, dataset: Dataset) -> None:
             path=dataset.path,
             hint="pass the communicator the dataset was opened with",
         )
+
+
+def _is_communicator(comm) -> bool:
+    """Is ``comm`` an MPI communicator, not freed?  Not collective."""
+    from mpi4py import MPI
+
+    return isinstance(comm, MPI.Comm) and comm != MPI.COMM_NULL
 
 
 def _flag(name: str, value, path) -> bool:
