@@ -374,6 +374,30 @@ def test_unreadable_file(world_tmp):
         ]
         assert [s["path"] for s in document["attrs"]["skipped"]] == ["sub/secret.bin"]
 
+    # Reading the directory as a dataset: the copy skipped a file, so the files are
+    # listed on the PFS, where one cannot be read; open_dataset has no --skip-unreadable.
+    opened = subprocess.run(
+        [*prefix, "mpirun", "-n", "2", sys.executable, "-c", _OPEN_DATASET, str(src)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        cwd=world_tmp,
+    )
+    refusals = [line for line in opened.stdout.splitlines() if line.startswith("refused:")]
+    assert len(refusals) == 2 and refusals[0] == refusals[1], opened.stdout + opened.stderr
+    assert "1 path(s) in" in refusals[0] and "sub/secret.bin: permission denied" in refusals[0]
+    assert "or move them out of the directory" in refusals[0] and "--skip" not in refusals[0]
+
+
+_OPEN_DATASET = (
+    "import sys; from mpi4py import MPI; import bbio\n"
+    "try:\n"
+    "    bbio.open_dataset(MPI.COMM_WORLD, sys.argv[1]).close()\n"
+    "except bbio.PermissionDeniedError as exc:\n"
+    "    print('refused:', str(exc).replace(chr(10), ' '))\n"
+)
+
 
 _READABLE_PROBE = (
     "import json, os, sys; from bbio.stage.walk import readable; "

@@ -356,7 +356,13 @@ def _directory_layout(comm, root: Path, staged: Path | None) -> Layout:
         entries = [e for e in manifest.entries if e.kind == FILE]
     else:
         tree = walk(comm, root)
-        check_readable(tree, skip_unreadable=False, where=str(root))
+        check_readable(
+            tree,
+            skip_unreadable=False,
+            where=str(root),
+            hint="every file of a dataset is a sample: fix their permissions, or move "
+            "them out of the directory",
+        )
         entries = tree.files
     return Layout(
         "directory",

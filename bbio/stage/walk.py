@@ -181,8 +181,14 @@ def _list_and_stat(root: Path, rel: str, include: Sequence[str], exclude: Sequen
     return listed
 
 
-def check_readable(tree: Tree, skip_unreadable: bool, where: str) -> list[Skipped]:
-    """Unreadable paths: an error naming each (the same on every rank), or skipped.
+SKIP_UNREADABLE_HINT = "fix their permissions, or pass --skip-unreadable to list and skip them"
+
+
+def check_readable(
+    tree: Tree, skip_unreadable: bool, where: str, hint: str = SKIP_UNREADABLE_HINT
+) -> list[Skipped]:
+    """Unreadable paths: an error naming each (the same on every rank), with ``hint``,
+    or skipped.
 
     Not collective (every rank holds the same ``tree``).
     """
@@ -191,7 +197,7 @@ def check_readable(tree: Tree, skip_unreadable: bool, where: str) -> list[Skippe
         more = f" (and {len(tree.unreadable) - 20} more)" if len(tree.unreadable) > 20 else ""
         raise PermissionDeniedError(
             f"{len(tree.unreadable)} path(s) in {where} cannot be read: {listing}{more}",
-            hint="fix their permissions, or pass --skip-unreadable to list and skip them",
+            hint=hint,
         )
     return list(tree.unreadable)
 
