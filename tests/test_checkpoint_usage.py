@@ -43,6 +43,13 @@ def test_a_from_rank_not_saved_is_a_usage_error_and_damage_falls_back(comm, shar
         assert f"from_rank {size - 1} is not a saved rank" in message, message
         assert f"step 2 was saved by {size // 2} ranks" in message, message
         assert "step-00000002" in message, message
+        with pytest.raises(bbio.UsageError) as info:  # not step 1: step 2 is newer
+            ckpt.restore()
+        message = same_everywhere(comm, info.value)
+        assert f"checkpoint 2 was saved by {size // 2} ranks, not {size}" in message, message
+        assert f"step= a checkpoint saved by {size} ranks" in message, message
+        step, arrays, _ = ckpt.restore(step=1)
+        assert step == 1 and same(arrays, state(1, rank))
         step, arrays, _ = ckpt.restore(step=1, from_rank=size - 1)
         assert step == 1 and same(arrays, state(1, size - 1))
         step, arrays, _ = ckpt.restore(from_rank=size // 2 - 1)
@@ -136,3 +143,48 @@ def test_different_arguments_to_the_constructor_or_restore_are_a_usage_error(com
         with pytest.raises(bbio.UsageError) as info:
             ckpt.restore(from_rank=1 if rank == 1 else None)
         assert "from_rank given: rank 0 False, rank 1 True" in same_everywhere(comm, info.value)
+
+
+def test_overlapping_shards_are_refused_and_replicas_are_restored(comm, shared_tmp):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    config = config_for(comm, shared_tmp)
+    full = np.arange(size * 3 * 2, dtype=np.float32).reshape(size * 3, 2)
+    with bbio.Checkpointer(comm, "shards", config=config) as ckpt:
+        overlapping = bbio.Shard(full[rank * 3 : rank * 3 + 4], (rank * 3, 0), full.shape)
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.save(1, {"w": overlapping})
+        message = same_everywhere(comm, info.value)
+        assert "the Shards of 'w' of ranks 0 and 1 overlap: [0:4, 0:2] and [3:" in message
+        own = bbio.Shard(full[rank * 3 : rank * 3 + 3], (rank * 3, 0), full.shape)
+        replica = bbio.Shard(full, (0, 0), full.shape)  # every rank holds all of it
+        ckpt.save(2, {"w": own, "everyone": replica}).wait(timeout=60)
+        whole = ((0, 0), full.shape)
+        step, arrays, _ = ckpt.restore(want={"w": whole, "everyone": whole})
+        assert step == 2 and np.array_equal(arrays["w"], full)
+        assert np.array_equal(arrays["everyone"], full)
+        part = ((1, 1), (size * 3 - 2, 1))
+        step, arrays, _ = ckpt.restore(want={"everyone": part})
+        assert np.array_equal(arrays["everyone"], full[1:-1, 1:2])
+
+
+def test_steps_are_integers_after_the_newest_and_attrs_are_json(comm, shared_tmp):
+    rank = comm.Get_rank()
+    config = config_for(comm, shared_tmp)
+    with bbio.Checkpointer(comm, "order", config=config) as ckpt:
+        ckpt.save(np.int64(5), state(5, rank)).wait(timeout=60)  # NumPy's integers too
+        for bad in (4.5, "6", True):
+            with pytest.raises(bbio.UsageError) as info:
+                ckpt.save(bad, state(6, rank))
+            assert "checkpoint steps are integers" in same_everywhere(comm, info.value)
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.save(6, state(6, rank), attrs={"lr": np.float32(0.1)})
+        assert "the attrs of checkpoint 6 are not JSON" in same_everywhere(comm, info.value)
+    with bbio.Checkpointer(comm, "order", config=config) as ckpt:  # a later job: from the PFS
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.save(3, state(3, rank))
+        message = same_everywhere(comm, info.value)
+        assert "already has step 5, later than step 3" in message, message
+        assert not (shared_tmp / "bb" / "0" / "ckpt" / "order" / "step-00000003").exists()
+        ckpt.save(5, state(50, rank)).wait(timeout=60)  # the same step again is fine
+        step, arrays, _ = ckpt.restore()
+        assert step == 5 and same(arrays, state(50, rank))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import textwrap
 import time
 from pathlib import Path
@@ -85,6 +86,11 @@ def test_ls_verify_wait_from_a_shell(tmp_path, job):
     assert waited.returncode == 0 and "step 2 is committed" in waited.stdout
     missing = bbio_ckpt(tmp_path, "wait", "run", "--step", "3", "--timeout", "1")
     assert missing.returncode == 1 and "not committed after 1 s" in missing.stderr
+    shutil.rmtree(tmp_path / "pfs" / "ckpt" / "run" / "step-00000001")  # as retention does
+    started = time.monotonic()
+    gone = bbio_ckpt(tmp_path, "wait", "run", "--step", "1", "--timeout", "60")
+    assert gone.returncode == 1 and time.monotonic() - started < 30
+    assert "step 2 is committed: retention removed it, or it was never saved" in gone.stderr
     node_file = tmp_path / "pfs" / "ckpt" / "run" / "step-00000002" / "node-00001.h5"
     data = bytearray(node_file.read_bytes())
     data[-100] ^= 0xFF
@@ -92,6 +98,27 @@ def test_ls_verify_wait_from_a_shell(tmp_path, job):
     broken = bbio_ckpt(tmp_path, "verify", "run")
     assert broken.returncode == 1
     assert str(node_file) in broken.stderr and "Traceback" not in broken.stderr
+
+
+def test_one_damaged_manifest_or_record_is_named_and_passed_over(tmp_path, job):
+    saved = run_mpi(4, str(job), str(tmp_path), "save")
+    assert saved.returncode == 0, saved.stdout + saved.stderr
+    manifest = tmp_path / "pfs" / "ckpt" / "run" / "step-00000001" / "manifest.json"
+    manifest.write_text("{garbage")
+    record = tmp_path / "bb" / "1" / "ckpt" / "run" / "step-00000002" / "node-00001.json"
+    record.write_text("")
+    listing = bbio_ckpt(tmp_path, "ls", node=1)
+    assert listing.returncode == 0, listing.stderr
+    rows = [line.split() for line in listing.stdout.splitlines() if line.startswith("run ")]
+    assert rows[0][:2] == ["run", "1"] and "damaged manifest" in " ".join(rows[0]), rows
+    assert rows[1][:2] == ["run", "2"] and "committed" in rows[1], rows
+    verified = bbio_ckpt(tmp_path, "verify", "run", node=1)
+    assert verified.returncode == 1 and "Traceback" not in verified.stderr
+    assert "2 checkpoint file(s) damaged or differing" in verified.stderr, verified.stderr
+    assert str(manifest) in verified.stderr and str(record) in verified.stderr
+    restored = run_mpi(4, str(job), str(tmp_path), "restore")  # node 1's BB copy unusable
+    assert restored.returncode == 0, restored.stdout + restored.stderr
+    assert "restored step 2 rows 1000" in restored.stdout
 
 
 def test_drain_finish_says_what_it_drained(tmp_path, job):

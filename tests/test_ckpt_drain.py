@@ -19,7 +19,7 @@ from bbio import _native
 from bbio.checkpoint import drain, layout, restore
 from bbio.checkpoint.globalview import describe_node_file, merge_descriptions, write_global_view
 from bbio.checkpoint.writer import file_attrs
-from bbio.errors import IntegrityError
+from bbio.errors import IntegrityError, UsageError
 from bbio.transfer import files
 
 
@@ -169,6 +169,22 @@ def test_drains_commit_one_save_and_report_it_to_waiting_ranks(tmp_path):
     assert drain.step_committed(j1, 7) is True
     with h5py.File(pfs_step / drain.GLOBAL_VIEW, "r") as f:
         np.testing.assert_array_equal(f[layout.rank_dataset("w", 3)][()], np.full(5, 4.5))
+
+
+def test_a_later_job_of_fewer_nodes_never_commits_a_checkpoint_of_more(tmp_path):
+    """Node 1 never drained step 7; a one-node job of the same name then recorded its
+    target (nodes 1): finishing node 0's journal must not commit node 0's file alone."""
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    pfs = tmp_path / "pfs"
+    pfs_step = pfs / layout.step_dirname(7)
+    assert drain.run(j0, None, finish=True, timeout=60) == 0
+    drain.set_target(j0, pfs, nodes=1, keep_pfs=5)
+    assert drain.try_commit(pfs_step, 1) is False
+    assert drain.commit_ready(j0) == []
+    assert drain.read_manifest(pfs_step) is None
+    node0 = describe_node_file(pfs_step / layout.node_filename(0), 0)
+    with pytest.raises(IntegrityError, match=r"hold no arrays of ranks \[2, 3\]"):
+        merge_descriptions([node0], pfs_step)
 
 
 def test_a_step_saved_again_while_draining_is_never_committed_from_mixed_saves(tmp_path):
@@ -359,3 +375,29 @@ def test_node_files_with_a_crc_per_dataset_are_still_read(tmp_path):
         f.attrs[layout.CRC_ATTR] = "{not json"
     with pytest.raises(IntegrityError, match=r"invalid 'crc32c' attribute.*node-00000\.h5"):
         describe_node_file(path, 0)
+
+
+@pytest.mark.parametrize(
+    "key", ["", "/w", "w/", "a//b", ".", "..", "./w", "a/./b", "a/..", "d/.", "w/r00001", 3]
+)
+def test_state_keys_hdf5_would_rewrite_or_that_clash_with_rank_datasets_are_refused(key):
+    with pytest.raises(UsageError, match="invalid state key"):
+        layout.check_key(key)
+
+
+@pytest.mark.parametrize("key", ["w", "model/layer1.weight", "r1", "a/r1234", "ünï/cödé", "a.b"])
+def test_ordinary_state_keys_are_accepted(key):
+    assert layout.check_key(key) == key
+
+
+def test_overlapping_boxes_are_found_but_replicas_and_empty_boxes_are_not():
+    rows = [((0, 0), (3, 2)), ((3, 0), (3, 2)), ((6, 0), (3, 2))]
+    assert layout.first_overlap(rows) is None
+    assert layout.first_overlap([*rows, rows[1]]) is None  # a replica of rank 1's
+    assert layout.first_overlap([*rows, ((5, 0), (0, 2))]) is None  # empty
+    assert layout.first_overlap([*rows, ((2, 1), (2, 1))]) == (0, 3)
+    columns = [((0, 0), (9, 1)), ((0, 1), (9, 1))]  # split along the second axis
+    assert layout.first_overlap(columns) is None
+    assert layout.first_overlap([*columns, ((8, 1), (1, 1))]) == (1, 2)
+    whole = ((0, 0), (9, 2))
+    assert layout.covers(whole, [*rows, rows[0]]) and not layout.covers(whole, rows[:2] * 2)

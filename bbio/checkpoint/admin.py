@@ -93,14 +93,18 @@ def verify(bb_root: Path, pfs_root: Path, node: int | None = None, name: str | N
     """Re-read every committed PFS checkpoint and this node's drained BB copies; count files.
 
     Not collective.  Raises :class:`IntegrityError` naming every file whose size
-    or CRC32C differs, :class:`NotFoundError` when neither root exists or
-    ``name`` is in neither.
+    or CRC32C differs and every damaged manifest or BB record,
+    :class:`NotFoundError` when neither root exists or ``name`` is in neither.
     """
     problems, checked = [], 0
     for n in _names_to_look_at(bb_root, pfs_root, name):
         pfs_dir = pfs_root / layout.CKPT_DIR / n
-        for step in drain.committed_steps(pfs_dir):
-            manifest = reader.pfs_manifest(pfs_dir, step)
+        for step in drain.steps_in(pfs_dir):
+            try:
+                manifest = reader.pfs_manifest(pfs_dir, step)
+            except IntegrityError as exc:
+                problems.append(str(exc))
+                continue
             for entry in manifest["files"] if manifest else []:
                 checked += 1
                 try:
@@ -112,6 +116,7 @@ def verify(bb_root: Path, pfs_root: Path, node: int | None = None, name: str | N
                 except (IntegrityError, OSError) as exc:
                     problems.append(str(exc))
         bb_dir = bb_root / layout.CKPT_DIR / n
+        problems += [str(exc) for exc in reader.damaged_bb_records(bb_dir, node)]
         for step, record in sorted(reader.bb_copies(bb_dir, node).items()):
             if record.get("crc32c") is None:
                 continue  # not drained yet: no file CRC to compare with
@@ -122,7 +127,10 @@ def verify(bb_root: Path, pfs_root: Path, node: int | None = None, name: str | N
             except (IntegrityError, OSError) as exc:
                 problems.append(str(exc))
     if problems:
-        raise IntegrityError(f"{len(problems)} checkpoint file(s) differ: " + "; ".join(problems))
+        raise IntegrityError(
+            f"{len(problems)} checkpoint file(s) damaged or differing from their record: "
+            + "; ".join(problems)
+        )
     return checked
 
 
@@ -176,12 +184,22 @@ def wait_committed(
 
     Raises :class:`NotFoundError` at once when ``name`` is neither on this
     node's burst buffer ``bb_root`` nor on the PFS (a typo would wait for
-    ever), :class:`BBIOTimeoutError` at ``timeout``.
+    ever), or as soon as the step is not on the PFS while a later one is
+    committed (retention removed it, or it was never saved: it will not come);
+    :class:`BBIOTimeoutError` at ``timeout``.
     """
     _names_to_look_at(bb_root, pfs_root, name)
     step_dir = pfs_root / layout.CKPT_DIR / name / layout.step_dirname(step)
     deadline = None if timeout is None else time.monotonic() + timeout
     while drain.read_manifest(step_dir) is None:
+        later = [s for s in drain.committed_steps(step_dir.parent) if s > step]
+        if later and not step_dir.exists():
+            raise NotFoundError(
+                f"checkpoint {name} step {step} is not on the PFS, and step {later[-1]} is "
+                "committed: retention removed it, or it was never saved",
+                path=step_dir,
+                hint=f"wait for step {later[-1]}, or look with 'bbio ckpt ls {name}'",
+            )
         if deadline is not None and time.monotonic() > deadline:
             raise BBIOTimeoutError(
                 f"checkpoint {name} step {step} is not committed after {timeout:.0f} s",

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import numbers
 import os
 import subprocess
 import sys
@@ -30,7 +31,7 @@ from bbio.checkpoint import restore as reader
 from bbio.checkpoint.globalview import describe_node_file
 from bbio.checkpoint.writer import describe, file_attrs, global_shapes, write_node_file
 from bbio.config import Config, load_config
-from bbio.errors import BBIOError, BBIOTimeoutError, NotFoundError, UsageError
+from bbio.errors import BBIOError, BBIOTimeoutError, IntegrityError, NotFoundError, UsageError
 from bbio.mpi import agreed, agreed_allgather, agreed_error, same_arguments, topology
 from bbio.report import format_bytes
 from bbio.transfer import files
@@ -190,14 +191,28 @@ class Checkpointer:
         :class:`bbio.Shard` slices of global arrays.  Returns once the node's
         file is closed and fsynced in the burst buffer (or, if that is full,
         once the checkpoint is committed on the PFS).  ``attrs`` must be JSON.
+        ``step`` is a non-negative integer (NumPy's too), above every step of
+        this checkpointer on the PFS or saved since, or one of them again:
+        restore and retention order checkpoints by step.
         """
         self._check_open()
         comm = self.comm
+        integral = isinstance(step, numbers.Integral) and not isinstance(step, bool)
+        step = int(step) if integral else step
         same_arguments(comm, f"checkpoint {self.name}: save", {"step": step})
 
         def check() -> tuple:
+            if not integral:
+                raise UsageError(f"checkpoint steps are integers, not {step!r}")
             layout.step_dirname(step)
-            user_attrs = json.dumps(dict(attrs or {}), sort_keys=True)
+            try:
+                user_attrs = json.dumps(dict(attrs or {}), sort_keys=True)
+            except (TypeError, ValueError) as exc:
+                raise UsageError(
+                    f"the attrs of checkpoint {step} are not JSON: {exc}",
+                    hint="pass a dict of str, int, float, bool, None, lists and dicts "
+                    "(NumPy numbers: int() or float() them)",
+                ) from None
             spec = describe(arrays)
             free, old_copy = None, False
             if self.topo.is_leader:  # a spare is claimed or deleted before the node writes
@@ -227,7 +242,12 @@ class Checkpointer:
             )
         kind, when = checked[0][0], checked[0][2]
         all_specs = [spec for _, spec, *_ in checked]
-        shapes = global_shapes(all_specs, kind)
+        try:
+            self._check_newest(step)
+            shapes = global_shapes(all_specs, kind)
+        except UsageError:
+            self._drop_unused_bb_step_dir(step)
+            raise
         handle = SaveHandle(
             self.name, step, self.pfs_dir / layout.step_dirname(step), self.journal, self.nodes
         )
@@ -421,6 +441,23 @@ class Checkpointer:
         mine = bool(drain.pending(self.journal)) if self.topo.is_leader else False
         return bool(self.comm.allreduce(mine, op=_lor()))
 
+    def _check_newest(self, step: int) -> None:
+        """Raise :class:`UsageError` if a later step than ``step`` is on the PFS (or saved by
+        this checkpointer): retention would trim ``step`` as soon as it is committed, and a
+        restart restore the later one.  Not collective (every rank knows the same steps)."""
+        later = sorted(s for s in self._pfs_steps if s > step)
+        if later:
+            raise UsageError(
+                f"checkpoint {self.name} already has step {later[-1]}, later than step {step}: "
+                "restore and retention order checkpoints by step, so step "
+                f"{step} would be trimmed once committed and a restart would restore step "
+                f"{later[-1]}",
+                path=self.pfs_dir / layout.step_dirname(later[-1]),
+                hint=f"save steps after {later[-1]}; to go back to step {step} for good, "
+                f"remove the later steps' directories ({len(later)}) on the PFS and in the "
+                "burst buffers first, or use another checkpoint name",
+            )
+
     def _wait_for_room(self, handle: SaveHandle) -> bool:
         """Collective: apply the backpressure policy; True if this save is to be skipped."""
         if self.backpressure == "queue" or not self._busy():
@@ -513,8 +550,9 @@ class Checkpointer:
         arrays, ``from_rank`` picks whose arrays to read.  Copies that fail
         verification are skipped with a warning naming the file, for the
         previous checkpoint.  A ``want`` or ``from_rank`` the newest complete
-        checkpoint cannot serve (per-rank arrays, an unsaved rank, key or box)
-        raises :class:`UsageError` on every rank instead.
+        checkpoint cannot serve (per-rank arrays, an unsaved rank, key or box),
+        or neither when it was saved by another rank count, raises
+        :class:`UsageError` on every rank instead.
         """
         self._check_open()
         same_arguments(  # each rank's want and from_rank may differ, not whether it gives one
@@ -609,6 +647,13 @@ class Checkpointer:
         if manifest is None:
             raise NotFoundError("the checkpoint is no longer committed", path=self.pfs_dir / name)
         reader.check_request(manifest, self.pfs_dir / name, want, from_rank)
+        if want is None and from_rank is None and manifest["ranks"] != self.size:
+            raise reader.RequestError(  # not a damaged copy: an older step is not tried
+                f"checkpoint {step} was saved by {manifest['ranks']} ranks, not {self.size}",
+                path=self.pfs_dir / name,
+                hint="pass want= (global arrays) or from_rank= (per-rank arrays), or step= "
+                f"a checkpoint saved by {self.size} ranks",
+            )
         records = {f["path"]: f for f in manifest["files"]}
         for n in range(self.rank, manifest["nodes"], self.size):
             entry = records[layout.node_filename(n)]
@@ -626,12 +671,7 @@ class Checkpointer:
         attrs = manifest["attrs"]
         if want is not None:  # of a global checkpoint: check_request saw to that
             return step, reader.read_boxes(reader.saved_boxes(manifest, step_dir), want), attrs
-        source_rank = self.rank if from_rank is None else from_rank
-        if from_rank is None and manifest["ranks"] != self.size:
-            raise UsageError(
-                f"checkpoint {step} was saved by {manifest['ranks']} ranks, not {self.size}",
-                hint="pass want= (global arrays) or from_rank= (per-rank arrays)",
-            )
+        source_rank = self.rank if from_rank is None else from_rank  # checked by _verify
         node = manifest["rank_nodes"][source_rank]
         return step, reader.read_rank(step_dir / layout.node_filename(node), source_rank), attrs
 
@@ -707,13 +747,16 @@ class Checkpointer:
 
 
 def describe_pfs(pfs_ckpt_dir: Path) -> dict[int, str]:
-    """Steps on the PFS: committed, or draining (some node files there). Not collective."""
+    """Steps on the PFS: committed, draining (some node files there), or damaged (its
+    manifest is not valid JSON). Not collective."""
     states = {}
-    if pfs_ckpt_dir.is_dir():
-        for entry in pfs_ckpt_dir.iterdir():
-            step = layout.parse_step(entry.name)
-            if step is not None:
-                states[step] = "committed" if drain.read_manifest(entry) else "draining"
+    for step in drain.steps_in(pfs_ckpt_dir):
+        try:
+            manifest = drain.read_manifest(pfs_ckpt_dir / layout.step_dirname(step))
+        except IntegrityError:
+            states[step] = "damaged manifest"
+            continue
+        states[step] = "committed" if manifest else "draining"
     return states
 
 

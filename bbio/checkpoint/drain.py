@@ -198,7 +198,7 @@ def commit_ready(journal: Path) -> list[int]:
     if ckpt_dir.is_dir():
         for entry in sorted(ckpt_dir.iterdir()):
             step = layout.parse_step(entry.name)
-            uncommitted = step is not None and read_manifest(entry) is None
+            uncommitted = step is not None and not _committed_save(entry, None)
             if uncommitted and try_commit(entry, target["nodes"]):
                 apply_pfs_retention(ckpt_dir, target["keep_pfs"])
                 done.append(step)
@@ -220,7 +220,10 @@ def manifest_path(step_dir: Path) -> Path:
 
 
 def read_manifest(step_dir: Path) -> dict[str, Any] | None:
-    """The committed manifest of a PFS checkpoint, or None if it is not committed."""
+    """The committed manifest of a PFS checkpoint, or None if it is not committed.
+
+    Raises :class:`IntegrityError` for a damaged manifest (not valid JSON).
+    """
     document = files.read_json(manifest_path(step_dir))
     if document is None or document.get("format") != MANIFEST_FORMAT:
         return None
@@ -346,8 +349,10 @@ def try_commit(step_dir: Path, nodes: int) -> bool:
 
     Idempotent.  Returns True if it is committed (now or before).  Records of
     different saves of the step (saved again while draining) are not committed
-    together, and a manifest of an older save is replaced.  PFS retention is
-    the caller's next step (:func:`apply_pfs_retention`), once it has said so.
+    together, and a manifest of an older save is replaced; nor are files saved
+    by another node count than ``nodes`` (a later job's ``target.json``).  PFS
+    retention is the caller's next step (:func:`apply_pfs_retention`), once it
+    has said so.
     """
     records = [files.read_json(step_dir / layout.node_record_name(n)) for n in range(nodes)]
     if any(r is None for r in records):
@@ -355,6 +360,8 @@ def try_commit(step_dir: Path, nodes: int) -> bool:
     saves = {r.get("time") for r in records}
     if len(saves) != 1:
         return False  # a node has not drained the latest save yet
+    if {(r.get("contents") or {}).get("nodes", nodes) for r in records} != {nodes}:
+        return False  # saved by another node count (a later job's target): its own drains commit
     save = saves.pop()
     if _committed_save(step_dir, save):
         return True
@@ -394,8 +401,12 @@ def try_commit(step_dir: Path, nodes: int) -> bool:
 
 
 def _committed_save(step_dir: Path, save: float | None) -> bool:
-    """Is ``step_dir`` committed, by the save of time ``save`` (None: any save)?"""
-    manifest = read_manifest(step_dir)
+    """Is ``step_dir`` committed, by the save of time ``save`` (None: any save)?  Not with
+    a damaged manifest: a commit replaces it, as it does one of an older save."""
+    try:
+        manifest = read_manifest(step_dir)
+    except IntegrityError:
+        return False
     return manifest is not None and (save is None or manifest.get("time") == save)
 
 
@@ -411,12 +422,16 @@ def steps_in(ckpt_dir: Path) -> list[int]:
 
 
 def committed_steps(ckpt_dir: Path) -> list[int]:
-    """Steps with a committed manifest under a PFS checkpoint directory, oldest first."""
+    """Steps with a committed manifest under a PFS checkpoint directory, oldest first.
+
+    A step whose manifest is damaged is not committed: restore passes over it,
+    retention neither counts nor removes it, and its BB copies are kept.
+    """
     steps = []
     if ckpt_dir.is_dir():
         for entry in ckpt_dir.iterdir():
             step = layout.parse_step(entry.name)
-            if step is not None and read_manifest(entry) is not None:
+            if step is not None and _committed_save(entry, None):
                 steps.append(step)
     return sorted(steps)
 

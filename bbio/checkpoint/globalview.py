@@ -65,6 +65,7 @@ def describe_node_file(path: Path, node: int) -> dict[str, Any]:
         "step": int(attrs["step"]),
         "time": float(attrs["time"]),
         "ranks": int(attrs["ranks"]),
+        "nodes": int(attrs["nodes"]),
         "layout": str(attrs["layout"]),
         "global_shapes": json.loads(attrs["global_shapes"]),
         "user_attrs": json.loads(attrs["user_attrs"]),
@@ -110,12 +111,13 @@ def merge_descriptions(descriptions: list[dict[str, Any]], where: Path) -> dict[
     """The whole checkpoint from its node files' descriptions (node order).
 
     Raises :class:`IntegrityError` (naming ``where``) if the nodes' files are
-    not of one save (their step, time, rank count or layout differ).
+    not of one save (their step, time, rank or node count or layout differ), or
+    do not hold every rank of it.
     """
     first = descriptions[0]
     for description in descriptions[1:]:
-        for key in ("step", "time", "ranks", "layout"):
-            if description[key] != first[key]:
+        for key in ("step", "time", "ranks", "nodes", "layout"):
+            if description.get(key) != first.get(key):
                 raise IntegrityError(
                     f"the node files are not of one save: node {description['node']}'s has "
                     f"{key} {description[key]}, node {first['node']}'s {first[key]}",
@@ -132,6 +134,14 @@ def merge_descriptions(descriptions: list[dict[str, Any]], where: Path) -> dict[
     meta = {k: first[k] for k in shared}
     meta["datasets"] = datasets
     meta["rank_nodes"] = [rank_nodes.get(r) for r in range(first["ranks"])]
+    missing = [r for r, node in enumerate(meta["rank_nodes"]) if node is None]
+    if missing:
+        raise IntegrityError(
+            f"the checkpoint was saved by {first['ranks']} ranks, but the files of nodes "
+            f"{[d['node'] for d in descriptions]} hold no arrays of ranks {missing[:10]}",
+            path=where,
+            hint="a node's file is missing: its drain has not copied it yet",
+        )
     return meta
 
 

@@ -132,11 +132,18 @@ def layout_of(arrays: Mapping[str, object]) -> str:
     )
 
 
+_RANK_PART = re.compile(r"r\d{5,}")  # the last part of a rank's dataset (rank_dataset)
+
+
 def check_key(key: str) -> str:
-    """A state key usable as an HDF5 dataset name."""
-    if not key or key.startswith("/") or key.endswith("/") or "//" in key or key in (".", ".."):
+    """A state key usable as an HDF5 group name, as it is written (HDF5 does not
+    rewrite it: no empty, ``.`` or ``..`` part) and apart from the ranks' datasets."""
+    parts = key.split("/") if isinstance(key, str) else [""]
+    if any(p in ("", ".", "..") or _RANK_PART.fullmatch(p) for p in parts):
         raise UsageError(
-            f"invalid state key {key!r}", hint="use names like 'model/layer1.weight' (no leading /)"
+            f"invalid state key {key!r}",
+            hint="use strings like 'model/layer1.weight': parts joined by single '/', none "
+            "empty, '.' or '..', nor 'r' and five or more digits (bbio's per-rank names)",
         )
     return key
 
@@ -155,10 +162,32 @@ def intersect(a: Box, b: Box) -> Box | None:
     return start, tuple(e - s for s, e in zip(start, end, strict=True))
 
 
+def first_overlap(boxes: Sequence[Box]) -> tuple[int, int] | None:
+    """The indexes of two boxes that overlap and differ, or None when the boxes are
+    disjoint but for identical ones (replicas) and empty ones.
+
+    Sweeps the boxes in order of their start along the first axis, so a split of
+    a global array along that axis costs one comparison per box.
+    """
+    order = sorted(
+        (i for i, box in enumerate(boxes) if all(n > 0 for n in box[1])),
+        key=lambda i: boxes[i][0][:1],
+    )
+    for position, i in enumerate(order):
+        (start_i, *_), (length_i, *_) = boxes[i] if boxes[i][0] else ((0,), (1,))
+        for j in order[position + 1 :]:
+            if boxes[j][0] and boxes[j][0][0] >= start_i + length_i:
+                break  # this and the later ones start past box i along the first axis
+            if boxes[i] != boxes[j] and intersect(boxes[i], boxes[j]) is not None:
+                return (i, j) if i < j else (j, i)
+    return None
+
+
 def covers(wanted: Box, pieces: Sequence[Box]) -> bool:
-    """True if the (disjoint) ``pieces`` together cover all of ``wanted``."""
+    """True if ``pieces`` together cover all of ``wanted`` (disjoint but for identical
+    ones, as :func:`first_overlap` checks at save time)."""
     covered = 0
-    for piece in pieces:
+    for piece in set(pieces):
         overlap = intersect(wanted, piece)
         if overlap is not None:
             covered += int(np.prod(overlap[1], dtype=np.int64))

@@ -10,7 +10,7 @@ previous checkpoint); a request the checkpoint cannot serve raises
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,18 +36,33 @@ def bb_copies(bb_ckpt_dir: Path, node: int | None) -> dict[int, dict[str, Any]]:
     its node index).
     """
     found = {}
-    if bb_ckpt_dir.is_dir():
-        for entry in bb_ckpt_dir.iterdir():
-            step = layout.parse_step(entry.name)
-            if step is None:
-                continue
-            nodes = [node] if node is not None else layout.nodes_in(entry)
-            for n in nodes:
-                record = files.read_json(entry / layout.node_record_name(n))
-                if record and record.get("complete") and (entry / layout.node_filename(n)).exists():
-                    found[step] = {**record, "node": n}
-                    break
+    for step, n, record in _bb_records(bb_ckpt_dir, node):
+        node_file = bb_ckpt_dir / layout.step_dirname(step) / layout.node_filename(n)
+        complete = isinstance(record, dict) and record.get("complete")
+        if complete and step not in found and node_file.exists():
+            found[step] = {**record, "node": n}
     return found
+
+
+def damaged_bb_records(bb_ckpt_dir: Path, node: int | None) -> list[IntegrityError]:
+    """The errors of this burst buffer's node records that are damaged (not valid JSON):
+    :func:`bb_copies` passes over their copies.  Not collective."""
+    return [r for _, _, r in _bb_records(bb_ckpt_dir, node) if isinstance(r, IntegrityError)]
+
+
+def _bb_records(bb_ckpt_dir: Path, node: int | None) -> Iterator[tuple[int, int, Any]]:
+    """(step, node, record or its IntegrityError) of each node record in the burst buffer."""
+    if not bb_ckpt_dir.is_dir():
+        return
+    for entry in bb_ckpt_dir.iterdir():
+        step = layout.parse_step(entry.name)
+        if step is None:
+            continue
+        for n in [node] if node is not None else layout.nodes_in(entry):
+            try:
+                yield step, n, files.read_json(entry / layout.node_record_name(n))
+            except IntegrityError as exc:
+                yield step, n, exc
 
 
 def verify_file(path: Path, size: int | None, crc: int | None) -> None:
@@ -174,10 +189,12 @@ def read_boxes(
                 hint="want= a box inside the array's global shape (and its saved slices)",
             )
         result = np.empty(wanted[1], dtype=boxes[key][0][3])
+        read: set[layout.Box] = set()  # a replica's box is read once
         for path, name, box, _ in boxes[key]:
             overlap = layout.intersect(wanted, box)
-            if overlap is None:
+            if overlap is None or box in read:
                 continue
+            read.add(box)
             with h5py.File(path, "r") as f:
                 piece = f[name][layout.local_slices(overlap, box)]
             result[layout.local_slices(overlap, wanted)] = piece

@@ -41,7 +41,15 @@ import numpy as np
 
 from bbio import _native
 from bbio._version import __version__
-from bbio.checkpoint.layout import CRC_ATTR, GLOBAL, Shard, check_key, rank_dataset
+from bbio.checkpoint.layout import (
+    CRC_ATTR,
+    GLOBAL,
+    Box,
+    Shard,
+    check_key,
+    first_overlap,
+    rank_dataset,
+)
 from bbio.errors import DependencyError, IntegrityError, UsageError
 from bbio.mpi import agreed
 from bbio.transfer import files
@@ -334,15 +342,33 @@ def file_attrs(
 
 
 def global_shapes(all_specs: list[dict[str, dict]], arrays_layout: str) -> dict[str, list[int]]:
-    """The global shape of every key (global layout), checked to agree across ranks."""
+    """The global shape of every key (global layout), checked to agree across ranks, and
+    the ranks' shards of each key checked not to overlap (identical ones are replicas)."""
     shapes: dict[str, list[int]] = {}
     if arrays_layout != GLOBAL:
         return shapes
-    for spec in all_specs:
+    boxes: dict[str, list[tuple[int, Box]]] = {}
+    for rank, spec in enumerate(all_specs):
         for key, entry in spec.items():
             if shapes.setdefault(key, entry["global_shape"]) != entry["global_shape"]:
                 raise UsageError(
                     f"ranks disagree on the global shape of {key!r}: "
                     f"{shapes[key]} and {entry['global_shape']}"
                 )
+            boxes.setdefault(key, []).append((rank, (tuple(entry["start"]), tuple(entry["shape"]))))
+    for key, held in boxes.items():
+        pair = first_overlap([box for _, box in held])
+        if pair is not None:
+            (rank_a, box_a), (rank_b, box_b) = held[pair[0]], held[pair[1]]
+            raise UsageError(
+                f"the Shards of {key!r} of ranks {rank_a} and {rank_b} overlap: "
+                f"{_extent(box_a)} and {_extent(box_b)}",
+                hint="give each rank its own part of a global array; a part several ranks "
+                "hold must be the same box on each (a replica, restored from one of them)",
+            )
     return shapes
+
+
+def _extent(box: Box) -> str:
+    """``[0:4, 2:3]``: a box as the slices it covers."""
+    return "[" + ", ".join(f"{s}:{s + n}" for s, n in zip(*box, strict=True)) + "]"

@@ -9,7 +9,6 @@ gives it its final name, after setting mode and mtime and fsyncing it.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import hashlib
 import json
 import os
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bbio import _native
-from bbio.errors import from_oserror
+from bbio.errors import IntegrityError, from_oserror
 from bbio.transfer.manifest import META_DIR, Manifest
 
 TEMP_SUFFIX = ".bbio-part"
@@ -234,7 +233,11 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 
 
 def read_json(path: Path) -> Any | None:
-    """The JSON document at ``path``, or None if there is none."""
+    """The JSON document at ``path``, or None if there is none.
+
+    Raises :class:`IntegrityError` when the file is not valid JSON (bbio writes
+    its documents whole: such a file is damaged), an OS error as a bbio error.
+    """
     try:
         with open(path, "rb") as f:
             return json.load(f)
@@ -243,7 +246,12 @@ def read_json(path: Path) -> Any | None:
     except OSError as exc:
         raise _fail(exc, "read", path) from None
     except ValueError as exc:
-        raise from_oserror(OSError(errno.EIO, f"not valid JSON: {exc}"), "read", path) from None
+        raise IntegrityError(
+            f"the file is damaged: not valid JSON ({exc})",
+            path=path,
+            hint="bbio writes it whole, so something else changed it; remove it, or what "
+            "holds it, and rerun what wrote it",
+        ) from None
 
 
 def manifest_path(root: Path, name: str = "manifest") -> Path:
