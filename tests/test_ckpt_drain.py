@@ -401,3 +401,19 @@ def test_overlapping_boxes_are_found_but_replicas_and_empty_boxes_are_not():
     assert layout.first_overlap([*columns, ((8, 1), (1, 1))]) == (1, 2)
     whole = ((0, 0), (9, 2))
     assert layout.covers(whole, [*rows, rows[0]]) and not layout.covers(whole, rows[:2] * 2)
+
+
+def test_a_task_that_keeps_failing_does_not_hold_back_the_later_ones(tmp_path):
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    two_node_save(tmp_path / "bb", 8, 2.5)
+    damaged = tmp_path / "bb" / "0" / layout.CKPT_DIR / "run" / "step-00000007" / "node-00000.h5"
+    damaged.write_bytes(b"not an HDF5 file" * 100)
+    assert drain.run(j0, None, finish=True, timeout=3) == 1  # step 7 never drains
+    assert drain.run(j1, None, finish=True, timeout=60) == 0
+    pfs = tmp_path / "pfs"
+    assert drain.read_manifest(pfs / layout.step_dirname(8))["time"] == 2.5
+    assert drain.read_manifest(pfs / layout.step_dirname(7)) is None
+    status = drain.read_status(j0)
+    assert status["failing"] == [7] and status["retries"] >= 2, status
+    assert str(damaged) in status["error"], status
+    assert [t.step for t in drain.pending(j0)] == [7]

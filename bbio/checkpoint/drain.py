@@ -31,7 +31,9 @@ status, so one process per node, not every rank, polls the PFS.  Then PFS
 retention, and this node's BB copies beyond ``keep_bb`` that are committed
 are trimmed (again every second while idle, until none is left waiting for
 other nodes' commits; the PFS is read only when copies are over the limit).
-Failures are retried with exponential backoff, and reported in ``status.json``.
+A task that fails is retried with exponential backoff while the tasks after
+it go on (one damaged checkpoint never holds back the later ones), and the
+failure is reported in ``status.json`` until the task succeeds or leaves.
 """
 
 from __future__ import annotations
@@ -262,7 +264,15 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
     with ThreadPoolExecutor(1) as pool:
         describing = pool.submit(describe_node_file, task.source, task.node)
         size, crc = _seal_reading_back(temp, task)
-        contents = describing.result()
+        try:
+            contents = describing.result()
+        except OSError as exc:  # h5py's: the burst buffer's file is not a node file
+            raise IntegrityError(
+                f"the node file cannot be read as a checkpoint: {exc}",
+                path=task.source,
+                hint="it is damaged: its checkpoint cannot be drained (later ones are); "
+                "a restore passes over it",
+            ) from None
     if size != result.nbytes or crc != result.crc32c:
         raise IntegrityError(
             f"the copy reads back as {size} bytes, CRC32C {crc:08x}; "
@@ -604,11 +614,24 @@ def _remove_task(journal: Path, task: Task) -> None:
         path.unlink(missing_ok=True)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    """A task that failed: how often, the pause before its next try, when that is, why."""
+
+    count: int
+    backoff: float
+    retry_at: float  # time.monotonic()
+    message: str
+
+
 class _Commits:
-    """What one drain knows of commits, published in its status for waiting ranks.
+    """What one drain knows of commits and failures, published in its status for
+    waiting ranks.
 
     ``committed``: recent steps seen committed; ``awaiting``: steps this node
-    drained whose commit waits on other nodes.  :meth:`look` polls the PFS for
+    drained whose commit waits on other nodes; ``failures``: tasks (by step and
+    save) waiting to be tried again, the latest one's error reported until it
+    succeeds.  :meth:`look` polls the PFS for
     the awaited ones: the one poller per node.  Its pauses last a tenth of the
     time awaited so far, from 5 ms up to 50 ms, so a commit is seen at most
     about a tenth later than it happened, and a long wait costs the PFS 20
@@ -619,15 +642,20 @@ class _Commits:
         self.journal = journal
         self.awaiting: dict[int, Task] = {}
         self.committed: list[int] = []
+        self.failures: dict[tuple[int, float | None], _Failure] = {}
         self.since = self.next_look = 0.0
 
     def report(self, **status: Any) -> None:
-        """Write the status: ``state`` (default idle), ``error``, ``retries`` and the steps."""
+        """Write the status: ``state`` (default idle), ``error`` and ``retries`` (default:
+        of the latest failure still to retry), the steps failing and the commits."""
+        latest = max(self.failures.values(), key=lambda f: f.retry_at - f.backoff, default=None)
+        trouble = {"error": latest.message, "retries": latest.count} if latest else {}
         _write_status(
             self.journal,
             awaiting=sorted(self.awaiting),
             committed=self.committed,
-            **{"state": "idle", "error": None, "retries": 0, **status},
+            failing=sorted({step for step, _ in self.failures}),
+            **{"state": "idle", "error": None, "retries": 0, **trouble, **status},
         )
 
     def settle(self, task: Task, done: bool) -> None:
@@ -750,14 +778,18 @@ def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) 
 def _drain(
     journal: Path, parent: int | None, finish: bool, deadline: float | None, waker: _Waker
 ) -> int:
-    retries, backoff = 0, 1.0
+    """The drain's loop: tasks in step order; one that fails is tried again after a
+    backoff (1 s, doubling up to 30 s) while the others go on."""
     untrimmed: Task | None = None  # the last task drained, while copies wait to be trimmed
     trimmed_at = 0.0
     commits = _Commits(journal)
+    failures = commits.failures
     commits.report()
     while True:
         commits.look()
         tasks = pending(journal)
+        for gone in set(failures) - {_task_key(t) for t in tasks}:
+            del failures[gone]  # removed, or saved again: a new task
         if not tasks:
             now = time.monotonic()
             if untrimmed is not None and now - trimmed_at > IDLE_TRIM_SECONDS:
@@ -773,24 +805,38 @@ def _drain(
                 return 0
             waker.pause(min(POLL_SECONDS, max(commits.until_next_look(), 0.001)))
             continue
-        task = tasks[0]
+        now = time.monotonic()
+        ready = [t for t in tasks if now >= getattr(failures.get(_task_key(t)), "retry_at", 0)]
+        if not ready:  # every task waits for its next try
+            soonest = min(failures[_task_key(t)].retry_at for t in tasks)
+            if deadline is not None and soonest > deadline:
+                return 1
+            until = min(soonest - now, commits.until_next_look())
+            waker.pause(min(POLL_SECONDS, max(until, 0.001)))
+            continue
+        task = ready[0]
+        failure = failures.pop(_task_key(task), None)
         try:
-            commits.report(state="copying", step=task.step, retries=retries)
+            commits.report(state="copying", step=task.step, retries=getattr(failure, "count", 0))
             untrimmed = task if _process(journal, task, commits) else None
             trimmed_at = time.monotonic()
             commits.restart_looking()
-            retries, backoff = 0, 1.0
         except Exception as exc:  # the drain outlives any one failure, and says why
-            retries += 1
+            count = failure.count + 1 if failure else 1
+            backoff = min(failure.backoff * 2, MAX_BACKOFF_SECONDS) if failure else 1.0
             message = _describe_failure(exc, task)
-            commits.report(state="retrying", step=task.step, error=message, retries=retries)
-            print(f"bbio drain: {message} (retry {retries} in {backoff:.0f} s)", file=sys.stderr)
-            if deadline is not None and time.monotonic() + backoff > deadline:
-                return 1
-            _sleep_looking(backoff, commits)
-            backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
+            failures[_task_key(task)] = _Failure(
+                count, backoff, time.monotonic() + backoff, message
+            )
+            commits.report(state="retrying", step=task.step)
+            print(f"bbio drain: {message} (retry {count} in {backoff:.0f} s)", file=sys.stderr)
         if deadline is not None and time.monotonic() > deadline:
             return 1
+
+
+def _task_key(task: Task) -> tuple[int, float | None]:
+    """A task's identity: its step and save (a step saved again is a new task)."""
+    return task.step, task.save_time
 
 
 def _describe_failure(exc: Exception, task: Task) -> str:
@@ -799,14 +845,6 @@ def _describe_failure(exc: Exception, task: Task) -> str:
     if isinstance(exc, OSError):
         return str(from_oserror(exc, "drain", task.target))
     return f"unexpected {type(exc).__name__} while draining {task.target}: {exc}"
-
-
-def _sleep_looking(seconds: float, commits: _Commits) -> None:
-    """Sleep ``seconds``, still looking for other nodes' commits meanwhile."""
-    end = time.monotonic() + seconds
-    while (left := end - time.monotonic()) > 0:
-        time.sleep(min(left, max(commits.until_next_look(), POLL_SECONDS)))
-        commits.look()
 
 
 def journals(bb_root: Path) -> Iterable[Path]:
