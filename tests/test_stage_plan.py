@@ -103,6 +103,15 @@ def test_merge_node_trees_dedupes_identical_and_reports_conflicts():
     assert conflicts == [plan.Conflict("clash", (0, 1))]
 
 
+@pytest.mark.parametrize("file_node", [0, 1])
+def test_a_file_on_one_node_and_a_directory_on_another_is_a_conflict(file_node):
+    trees = [[Entry("x", DIR, mtime_ns=2), f("x/y", 1)], [f("x", 4)]]
+    if file_node == 0:
+        trees.reverse()
+    _, conflicts = plan.merge_node_trees(trees)
+    assert conflicts == [plan.Conflict("x", (0, 1))]
+
+
 @pytest.mark.parametrize(
     ("path", "include", "exclude", "expected"),
     [

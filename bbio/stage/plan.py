@@ -171,7 +171,8 @@ def merge_node_trees(trees: Sequence[Sequence[Entry]]) -> tuple[dict[str, int], 
                 holders[e.path] = [node]
                 continue
             holders[e.path].append(node)
-            if e.kind != DIR and not first[e.path].same_version(e):
+            kinds = {first[e.path].kind, e.kind}
+            if kinds != {DIR} and not first[e.path].same_version(e):  # a file and a dir too
                 conflicting.add(e.path)
     conflicts = [Conflict(p, tuple(holders[p])) for p in sorted(conflicting)]
     return chosen, conflicts

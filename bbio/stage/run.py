@@ -206,8 +206,14 @@ def _remove_temps(root: Path, paths: Iterable[str]) -> None:
 
 
 def _make_dirs(root: Path, dirs: Iterable[Entry], node: int | None) -> None:
-    for path in (root, *(root / d.path for d in dirs)):
+    """Create ``root`` and ``dirs`` under it, parents first.  A symlink where the source
+    has a directory (a copy of what the source held before) is replaced, never followed:
+    files copied through it would land elsewhere in the tree."""
+    below = sorted((root / d.path for d in dirs), key=lambda p: len(p.parts))
+    for path in (root, *below):
         try:
+            if path != root and path.is_symlink():
+                path.unlink()
             path.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise from_oserror(
@@ -635,6 +641,12 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     with agreed(comm, "stage-in: looking at the destination"):
         current = dest_state(topo.node_comm, dst_root, [e.path for e in mine])
     todo = plan.to_copy(mine, current)
+    old = None
+    with agreed(comm, "stage-in: reading the previous manifest"):
+        old = files.read_manifest(dst_root)
+    with agreed(comm, "stage-in: withdrawing the previous manifest"):
+        if topo.is_leader and old is not None and todo:
+            files.withdraw_manifest(dst_root)  # not complete while files change
     with agreed(comm, "stage-in: removing what an interrupted run left"):
         remove_leftovers(topo.node_comm, dst_root, dirs)
     with agreed(comm, "stage-in: checking burst-buffer space"):
@@ -649,9 +661,6 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     with agreed(comm, "stage-in: creating directories"):
         if topo.is_leader:
             _make_dirs(dst_root, dirs, topo.node)
-    old = None
-    with agreed(comm, "stage-in: reading the previous manifest"):
-        old = files.read_manifest(dst_root)
     broadcast = mode == "replicate" and topo.nodes > 1
     job = _Transfer(
         comm, topo, config, "stage-in", src, dst_root, broadcast, skip_unreadable, skipped
@@ -842,6 +851,12 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
     )
     current = dest_state(comm, dst_root, [e.path for e in everything])
     todo_all = plan.to_copy(everything, current)
+    old = None
+    with agreed(comm, "stage-out: reading the previous manifest"):
+        old = files.read_manifest(dst_root)
+    with agreed(comm, "stage-out: withdrawing the previous manifest"):
+        if comm.Get_rank() == 0 and old is not None and todo_all:
+            files.withdraw_manifest(dst_root)  # not complete while files change
     remove_leftovers(comm, dst_root, dirs)
     mine = [e for e in todo_all if chosen[e.path] == topo.node]
     with agreed(comm, "stage-out: checking space and creating directories"):
@@ -854,9 +869,6 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
             )
             _make_dirs(dst_root, dirs, None)
     comm.Barrier()
-    old = None
-    with agreed(comm, "stage-out: reading the previous manifest"):
-        old = files.read_manifest(dst_root)
     job = _Transfer(
         comm, topo, config, "stage-out", src_root, dst_root, False, skip_unreadable, skipped
     )

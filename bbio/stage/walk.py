@@ -78,17 +78,32 @@ def selected(path: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
 def symlink_target(root: Path, rel: str) -> str | None:
     """The target to give the copy of symlink ``rel``; None if it points outside ``root``.
 
-    An absolute target inside ``root`` becomes relative, so that the copy
-    points into the copied tree, not back into the source.
+    An absolute target inside ``root``, or a relative one that climbs above
+    ``root`` on its way (``../../src/f`` through the source's own name), becomes
+    a relative one that stays inside, so that the copy points into the copied
+    tree, not back into the source or beside the copy.
     """
     real_root = os.path.realpath(root)
     target = os.readlink(root / rel)
     resolved = os.path.realpath(root / rel)
     if os.path.commonpath([real_root, resolved]) != real_root:
         return None
-    if os.path.isabs(target):
+    if os.path.isabs(target) or _climbs_above(rel, target):
         return os.path.relpath(resolved, os.path.dirname(os.path.join(real_root, rel)))
     return target
+
+
+def _climbs_above(rel: str, target: str) -> bool:
+    """Does relative ``target``, read from the directory of ``rel``, go above the root?"""
+    depth = rel.count("/")  # the link's directory, below the root
+    for part in target.split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                return True
+        elif part not in ("", "."):
+            depth += 1
+    return False
 
 
 def _symlink_entry(root: Path, rel: str, st: os.stat_result) -> Entry | Skipped:

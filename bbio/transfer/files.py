@@ -266,6 +266,17 @@ def write_manifest(root: Path, manifest: Manifest, name: str = "manifest") -> Pa
     return path
 
 
+def withdraw_manifest(root: Path, name: str = "manifest") -> None:
+    """Remove the manifest ``name`` of ``root`` durably, before the tree changes: a copy
+    is then not taken as complete until its next manifest is written."""
+    path = manifest_path(root, name)
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        raise _fail(exc, "remove the previous manifest", path) from None
+    fsync_dirs([path.parent])
+
+
 def read_manifest(root: Path, name: str = "manifest") -> Manifest | None:
     """The committed manifest of ``root``, or None if there is none."""
     path = manifest_path(root, name)

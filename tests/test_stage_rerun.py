@@ -1,0 +1,91 @@
+"""Reruns after the source changed or a run failed: a copy is never written through a
+stale symlink, never served as complete while it changes, and a symlink's copy points
+into the copied tree.  On 2 or 4 ranks in 2 virtual nodes."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import bbio
+from bbio.transfer import files
+from tests.test_stage import _keep_changing, two_nodes
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def test_a_symlink_replaced_by_a_directory_in_the_source_is_not_written_through(comm, shared_tmp):
+    src, config = shared_tmp / "pfs" / "swap", two_nodes(comm, shared_tmp)
+    dst = shared_tmp / "bb" / "{node}" / "swap"
+    if comm.Get_rank() == 0:
+        (src / "a").mkdir(parents=True)
+        (src / "a" / "x").write_bytes(b"content of a/x")
+        (src / "b").symlink_to("a")
+    comm.Barrier()
+    bbio.stage_in(comm, src, dst, config=config)
+    if comm.Get_rank() == 0:
+        (src / "b").unlink()
+        (src / "b").mkdir()
+        (src / "b" / "x").write_bytes(b"CONTENT OF B/X")  # the same size as a/x
+    comm.Barrier()
+    bbio.stage_in(comm, src, dst, config=config, verify=True)
+    for node in ("0", "1"):
+        copy = shared_tmp / "bb" / node / "swap"
+        assert not (copy / "b").is_symlink()
+        assert (copy / "a" / "x").read_bytes() == b"content of a/x"
+        assert (copy / "b" / "x").read_bytes() == b"CONTENT OF B/X"
+
+
+@pytest.mark.timeout(120)
+def test_a_rerun_that_fails_withdraws_the_previous_manifest_first(comm, shared_tmp):
+    """The rerun commits the grown f2, then fails on a file that keeps changing: the old
+    manifest must not make the reader serve the new f2's first bytes as the old f2."""
+    src = shared_tmp / "pfs" / "grow"
+    config = two_nodes(comm, shared_tmp, stage_round_bytes=4096)
+    dst = shared_tmp / "bb" / "{node}" / "grow"
+    if comm.Get_rank() == 0:
+        src.mkdir(parents=True)
+        for i in range(4):
+            (src / f"f{i}").write_bytes(b"C" * 1000)
+        (src / "zz.log").write_bytes(b"start")
+    comm.Barrier()
+    bbio.stage_in(comm, src, dst, config=config)
+    stop, writer = threading.Event(), None
+    if comm.Get_rank() == 0:
+        (src / "f2").write_bytes(b"M" * 3000)
+        writer = threading.Thread(target=_keep_changing, args=(src / "zz.log", stop, None))
+        writer.start()
+    comm.Barrier()
+    try:
+        with pytest.raises(bbio.IntegrityError, match="kept changing while being copied"):
+            bbio.stage_in(comm, src, dst, config=config)
+    finally:
+        stop.set()
+        if writer:
+            writer.join()
+    comm.Barrier()
+    for node in ("0", "1"):
+        assert files.read_manifest(shared_tmp / "bb" / node / "grow") is None
+    with bbio.open_dataset(comm, src, config=config) as ds:
+        got = ds.read([2])
+    assert bytes(np.asarray(got[0])) == b"M" * 3000
+
+
+def test_a_relative_symlink_through_the_sources_own_name_points_into_the_copy(comm, shared_tmp):
+    src, config = shared_tmp / "pfs" / "data", two_nodes(comm, shared_tmp)
+    if comm.Get_rank() == 0:
+        (src / "sub").mkdir(parents=True)
+        (src / "f").write_bytes(b"the source's f")
+        (src / "sub" / "l").symlink_to("../../data/f")
+        (shared_tmp / "bb" / "0").mkdir(parents=True)
+        (shared_tmp / "bb" / "0" / "data").mkdir()  # beside the copy, a tree named like SRC
+        (shared_tmp / "bb" / "0" / "data" / "f").write_bytes(b"another tree's f")
+    comm.Barrier()
+    bbio.stage_in(comm, src, shared_tmp / "bb" / "{node}" / "copy", config=config)
+    for node in ("0", "1"):
+        link = shared_tmp / "bb" / node / "copy" / "sub" / "l"
+        assert os.readlink(link) == "../f"
+        assert link.read_bytes() == b"the source's f"
