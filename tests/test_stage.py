@@ -326,6 +326,14 @@ def test_stage_out_merges_nodes_and_refuses_conflicts(comm, shared_tmp):
         bbio.stage_out(
             comm, shared_tmp / "bb" / "{node}" / "out", shared_tmp / "pfs" / "r2", config=config
         )
+    comm.Barrier()
+    if comm.Get_rank() == comm.Get_size() - 1:  # same size and mtime, other bytes: one tick
+        os.utime(shared_tmp / "bb" / "1" / "out" / "same.txt", ns=(5, 5))
+    comm.Barrier()
+    with pytest.raises(bbio.AlreadyExistsError, match=r"same.txt \(nodes 0, 1\)"):
+        bbio.stage_out(
+            comm, shared_tmp / "bb" / "{node}" / "out", shared_tmp / "pfs" / "r3", config=config
+        )
 
 
 def test_verify_finds_a_corrupted_copy(comm, shared_tmp, tree):

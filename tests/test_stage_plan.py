@@ -103,6 +103,16 @@ def test_merge_node_trees_dedupes_identical_and_reports_conflicts():
     assert conflicts == [plan.Conflict("clash", (0, 1))]
 
 
+def test_files_held_alike_are_compared_by_checksum():
+    trees = [[f("a", 3, 1), f("b", 3, 1)], [f("a", 3, 1), f("b", 4, 1)], [f("a", 3, 1)]]
+    alike = plan.held_alike(trees)
+    assert alike == {"a": (0, 1, 2)}  # b differs in size: merge_node_trees refuses it
+    assert plan.differing_copies(alike, [{"a": 7}, {"a": 7}, {"a": 7}]) == []
+    assert plan.differing_copies(alike, [{"a": 7}, {"a": 7}, {"a": 8}]) == [
+        plan.Conflict("a", (0, 1, 2))
+    ]
+
+
 @pytest.mark.parametrize("file_node", [0, 1])
 def test_a_file_on_one_node_and_a_directory_on_another_is_a_conflict(file_node):
     trees = [[Entry("x", DIR, mtime_ns=2), f("x/y", 1)], [f("x", 4)]]

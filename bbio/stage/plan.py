@@ -178,6 +178,34 @@ def merge_node_trees(trees: Sequence[Sequence[Entry]]) -> tuple[dict[str, int], 
     return chosen, conflicts
 
 
+def held_alike(trees: Sequence[Sequence[Entry]]) -> dict[str, tuple[int, ...]]:
+    """Stage-out: the files several nodes hold with the same size and mtime, and those
+    nodes.  Their bytes may still differ (two nodes writing a file of one size within
+    one clock tick): the caller compares their checksums."""
+    holders: dict[str, list[int]] = {}
+    first: dict[str, Entry] = {}
+    for node, entries in enumerate(trees):
+        for e in entries:
+            if e.kind != FILE:
+                continue
+            if e.path not in first:
+                first[e.path], holders[e.path] = e, [node]
+            elif first[e.path].same_version(e):
+                holders[e.path].append(node)
+    return {p: tuple(nodes) for p, nodes in holders.items() if len(nodes) > 1}
+
+
+def differing_copies(
+    alike: Mapping[str, Sequence[int]], crcs: Sequence[Mapping[str, int]]
+) -> list[Conflict]:
+    """The paths of ``alike`` whose holders' CRC32C (``crcs[node][path]``) differ."""
+    return [
+        Conflict(path, tuple(nodes))
+        for path, nodes in sorted(alike.items())
+        if len({crcs[n][path] for n in nodes}) > 1
+    ]
+
+
 def bytes_needed(files: Iterable[Entry]) -> int:
     """Bytes the destination must hold for ``files``."""
     return sum(f.size for f in files if f.kind == FILE)

@@ -829,6 +829,14 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
     trees = comm.allgather(entries if topo.is_leader else None)
     trees = [t for t in trees if t is not None]
     chosen, conflicts = plan.merge_node_trees(trees)
+    alike = plan.held_alike(trees)
+    sums: dict[str, int] = {}
+    with agreed(comm, "stage-out: comparing the files several nodes hold alike"):
+        if topo.is_leader:
+            held_here = [p for p, nodes in alike.items() if topo.node in nodes]
+            sums = {p: files.checksum_file(src_root / p)[1] for p in held_here}
+    by_node = [s for s in comm.allgather(sums if topo.is_leader else None) if s is not None]
+    conflicts = sorted([*conflicts, *plan.differing_copies(alike, by_node)], key=lambda c: c.path)
     if conflicts:
         listing = "; ".join(
             f"{c.path} (nodes {', '.join(map(str, c.nodes))})" for c in conflicts[:20]
