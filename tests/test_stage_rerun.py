@@ -13,6 +13,7 @@ import pytest
 import bbio
 from bbio.transfer import files
 from tests.test_stage import _keep_changing, two_nodes
+from tests.test_stage_usage import damage
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -40,7 +41,7 @@ def test_a_symlink_replaced_by_a_directory_in_the_source_is_not_written_through(
 
 
 @pytest.mark.timeout(120)
-def test_a_rerun_that_fails_withdraws_the_previous_manifest_first(comm, shared_tmp):
+def test_a_rerun_that_fails_leaves_no_manifest_entry_for_what_it_changed(comm, shared_tmp):
     """The rerun commits the grown f2, then fails on a file that keeps changing: the old
     manifest must not make the reader serve the new f2's first bytes as the old f2."""
     src = shared_tmp / "pfs" / "grow"
@@ -68,7 +69,9 @@ def test_a_rerun_that_fails_withdraws_the_previous_manifest_first(comm, shared_t
             writer.join()
     comm.Barrier()
     for node in ("0", "1"):
-        assert files.read_manifest(shared_tmp / "bb" / node / "grow") is None
+        left = files.read_manifest(shared_tmp / "bb" / node / "grow")
+        assert left.attrs["complete"] is False
+        assert {e.path for e in left.entries if e.kind == "file"} == {"f0", "f1", "f3"}
     with bbio.open_dataset(comm, src, config=config) as ds:
         got = ds.read([2])
     assert bytes(np.asarray(got[0])) == b"M" * 3000
@@ -89,3 +92,26 @@ def test_a_relative_symlink_through_the_sources_own_name_points_into_the_copy(co
         link = shared_tmp / "bb" / node / "copy" / "sub" / "l"
         assert os.readlink(link) == "../f"
         assert link.read_bytes() == b"the source's f"
+
+
+def test_verify_on_a_resumed_run_checks_the_copies_against_the_source(comm, shared_tmp):
+    """A first run killed before its manifest: the rerun finds the copies up to date but
+    knows no CRC32C for them; --verify must compare them with the source, not themselves."""
+    src, config = shared_tmp / "pfs" / "resumed", two_nodes(comm, shared_tmp)
+    dst = shared_tmp / "bb" / "{node}" / "resumed"
+    if comm.Get_rank() == 0:
+        src.mkdir(parents=True)
+        for i in range(3):
+            (src / f"f{i}").write_bytes(bytes([i]) * 5000)
+    comm.Barrier()
+    bbio.stage_in(comm, src, dst, config=config)
+    damage(comm, shared_tmp / "bb" / "1" / "resumed" / "f1")
+    if comm.Get_rank() == 0:
+        for node in ("0", "1"):
+            files.manifest_path(shared_tmp / "bb" / node / "resumed").unlink()
+    comm.Barrier()
+    with pytest.raises(bbio.IntegrityError, match="f1"):
+        bbio.stage_in(comm, src, dst, config=config, verify=True)
+    bbio.stage_in(comm, src, dst, config=config, verify=True)  # copies f1 again
+    for node in ("0", "1"):
+        assert (shared_tmp / "bb" / node / "resumed" / "f1").read_bytes() == b"\1" * 5000

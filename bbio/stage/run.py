@@ -465,7 +465,9 @@ def _crcs_of_unchanged(
     """Collective over ``node_comm``: CRC32C of files skipped as up to date.
 
     From the previous manifest when it describes the same version; otherwise
-    the destination copy is read (dealt out over the node's ranks).
+    (files an interrupted run committed) their copy under ``root`` is read, dealt
+    out over the node's ranks: stage-in reads the source, so that ``--verify``
+    then checks the copy against it, not against itself.
     """
     known = old.by_path() if old else {}
     crcs, unknown = {}, []
@@ -644,9 +646,9 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     old = None
     with agreed(comm, "stage-in: reading the previous manifest"):
         old = files.read_manifest(dst_root)
-    with agreed(comm, "stage-in: withdrawing the previous manifest"):
+    with agreed(comm, "stage-in: withdrawing what will change from the previous manifest"):
         if topo.is_leader and old is not None and todo:
-            files.withdraw_manifest(dst_root)  # not complete while files change
+            files.withdraw_entries(dst_root, old, [e.path for e in todo])
     with agreed(comm, "stage-in: removing what an interrupted run left"):
         remove_leftovers(topo.node_comm, dst_root, dirs)
     with agreed(comm, "stage-in: checking burst-buffer space"):
@@ -676,7 +678,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     unchanged = [e for e in mine if e.kind == FILE and e.path not in todo_paths]
     node_crcs = dict(copied.crcs)
     with agreed(comm, "stage-in: checksums of files already in place"):
-        node_crcs.update(_crcs_of_unchanged(topo.node_comm, dst_root, unchanged, old))
+        node_crcs.update(_crcs_of_unchanged(topo.node_comm, src, unchanged, old))
     as_copied = {**{e.path: e for e in mine}, **copied.entries}  # this node's files
     if verify:
         with agreed(comm, "stage-in: verifying"):
@@ -862,9 +864,9 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
     old = None
     with agreed(comm, "stage-out: reading the previous manifest"):
         old = files.read_manifest(dst_root)
-    with agreed(comm, "stage-out: withdrawing the previous manifest"):
+    with agreed(comm, "stage-out: withdrawing what will change from the previous manifest"):
         if comm.Get_rank() == 0 and old is not None and todo_all:
-            files.withdraw_manifest(dst_root)  # not complete while files change
+            files.withdraw_entries(dst_root, old, [e.path for e in todo_all])
     remove_leftovers(comm, dst_root, dirs)
     mine = [e for e in todo_all if chosen[e.path] == topo.node]
     with agreed(comm, "stage-out: checking space and creating directories"):

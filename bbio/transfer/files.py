@@ -266,15 +266,13 @@ def write_manifest(root: Path, manifest: Manifest, name: str = "manifest") -> Pa
     return path
 
 
-def withdraw_manifest(root: Path, name: str = "manifest") -> None:
-    """Remove the manifest ``name`` of ``root`` durably, before the tree changes: a copy
-    is then not taken as complete until its next manifest is written."""
-    path = manifest_path(root, name)
-    try:
-        path.unlink(missing_ok=True)
-    except OSError as exc:
-        raise _fail(exc, "remove the previous manifest", path) from None
-    fsync_dirs([path.parent])
+def withdraw_entries(root: Path, manifest: Manifest, paths: Iterable[str]) -> None:
+    """Before the files ``paths`` of ``root`` change: commit ``manifest`` (the tree's
+    previous one) without their entries and no longer ``complete``.  A run that then
+    fails or is killed leaves a manifest that describes only files it did not touch."""
+    changing = set(paths)
+    kept = [e for e in manifest.entries if e.path not in changing]
+    write_manifest(root, Manifest(manifest.kind, kept, {**manifest.attrs, "complete": False}))
 
 
 def read_manifest(root: Path, name: str = "manifest") -> Manifest | None:
