@@ -390,6 +390,32 @@ def test_unreadable_file(world_tmp):
     assert "or move them out of the directory" in refusals[0] and "--skip" not in refusals[0]
 
 
+def test_a_read_only_source_directory_does_not_block_a_rerun(world_tmp):
+    src = world_tmp / "src"
+    make_tree(src, {"ro/a.bin": 100})
+    (src / "ro").chmod(0o555)
+    prefix, extra_env = _unprivileged(world_tmp)
+    env = {**os.environ, **MPI_ENV, **extra_env, "BBIO_RANKS_PER_NODE": "1"}
+    command = [*prefix, "mpirun", "-n", "2", sys.executable, "-m", "bbio", "stage-in"]
+    command += [str(src), str(world_tmp / "dst" / "{node}")]
+
+    def stage_in() -> None:
+        done = subprocess.run(
+            command, capture_output=True, text=True, env=env, timeout=60, cwd=world_tmp
+        )
+        assert_ok(done)
+
+    stage_in()
+    (src / "ro").chmod(0o755)
+    (src / "ro" / "b.bin").write_bytes(b"new")
+    (src / "ro").chmod(0o555)
+    stage_in()  # the copy of ro/ is read-only too: the rerun still copies b.bin into it
+    for node in ("0", "1"):
+        copy = world_tmp / "dst" / node / "ro"
+        assert (copy / "b.bin").read_bytes() == b"new"
+        assert copy.stat().st_mode & 0o777 == 0o555
+
+
 _OPEN_DATASET = (
     "import sys; from mpi4py import MPI; import bbio\n"
     "try:\n"

@@ -168,16 +168,22 @@ def _nothing_selected(entries: Sequence[Entry], include, exclude) -> list[str]:
 
 
 def remove_leftovers(comm, root: Path, dirs: Sequence[Entry]) -> int:
-    """Collective over ``comm``: delete temporary files an interrupted run left under ``root``.
+    """Collective over ``comm``: delete temporary files an interrupted run left under ``root``,
+    and let the owner write into the tree's directories again.
 
     Looks in ``root`` and the tree's directories (dealt out over the ranks);
     returns how many were removed.  Frees their space before the capacity check.
+    A directory copied read-only (its source's mode, set when a run finishes)
+    gets the owner's write and search bits back until this run finishes it:
+    else nothing new could be copied into it, nor anything removed.
     """
 
     def remove() -> int:
         removed = 0
         for rel in deal(["", *(d.path for d in dirs)], comm):
             try:
+                if rel:
+                    _let_owner_write(root / rel)
                 with os.scandir(root / rel) as it:
                     leftovers = [
                         e.path for e in it if files.is_temp_name(e.name) and not e.is_dir()
@@ -194,6 +200,13 @@ def remove_leftovers(comm, root: Path, dirs: Sequence[Entry]) -> int:
         return removed
 
     return sum(agreed_allgather(comm, f"removing what an interrupted run left in {root}", remove))
+
+
+def _let_owner_write(directory: Path) -> None:
+    """Add the owner's read, write and search bits to ``directory`` if it lacks any."""
+    st = os.lstat(directory)
+    if stat.S_ISDIR(st.st_mode) and st.st_mode & 0o700 != 0o700:
+        os.chmod(directory, stat.S_IMODE(st.st_mode) | 0o700)
 
 
 def _remove_temps(root: Path, paths: Iterable[str]) -> None:
