@@ -115,3 +115,17 @@ def test_verify_on_a_resumed_run_checks_the_copies_against_the_source(comm, shar
     bbio.stage_in(comm, src, dst, config=config, verify=True)  # copies f1 again
     for node in ("0", "1"):
         assert (shared_tmp / "bb" / node / "resumed" / "f1").read_bytes() == b"\1" * 5000
+
+
+def test_job_and_user_in_a_source_path_are_expanded(comm, shared_tmp):
+    config = two_nodes(comm, shared_tmp, job_id="77", user="ada")
+    src = shared_tmp / "pfs" / "ada-77"
+    if comm.Get_rank() == 0:
+        src.mkdir(parents=True)
+        (src / "f").write_bytes(b"f")
+    comm.Barrier()
+    template = shared_tmp / "pfs" / "{user}-{job}"
+    bbio.stage_in(comm, template, shared_tmp / "bb" / "{node}" / "in", config=config)
+    bbio.pack(comm, template, shared_tmp / "pfs" / "packed-{job}", config=config)
+    assert (shared_tmp / "bb" / "1" / "in" / "f").read_bytes() == b"f"
+    assert (shared_tmp / "pfs" / "packed-77" / "bbio-pack.json").exists()

@@ -259,7 +259,7 @@ def pack(
     for path, what in ((src, "source"), (out, "output directory")):
         check_no_node(path, what, "pack")
     start = time.monotonic()
-    src, out = Path(src), config.expand(out)
+    src, out = config.expand(src), config.expand(out)
     with agreed(comm, f"pack: checking {out}"):
         if comm.Get_rank() == 0:
             check_outside(src, out)

@@ -619,7 +619,7 @@ def stage_in(
         return _stage_in(
             comm,
             topo,
-            Path(src),
+            config.expand(src),
             dst,
             mode,
             verify,
