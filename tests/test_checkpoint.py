@@ -303,6 +303,9 @@ def test_unwritable_pfs_save_succeeds_drain_retries_wait_times_out(comm, shared_
                 handle.wait(timeout=3)
             assert "not committed on the PFS after 3 s" in str(info.value)
             assert "Read-only file system" in str(info.value)
+            only_bb = r"step 7 \(bb\): only in the burst buffers; want= and from_rank= read"
+            with pytest.raises(bbio.NotFoundError, match=only_bb):
+                ckpt.restore(from_rank=comm.Get_rank())  # a resharded restore reads the PFS
             comm.Barrier()
             if comm.Get_rank() == 0:
                 subprocess.run(["mount", "-o", "remount,rw", str(pfs)], check=True)

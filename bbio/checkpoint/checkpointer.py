@@ -577,9 +577,20 @@ class Checkpointer:
         if step is not None:
             candidates = [s for s in candidates if s == step]
         skipped = []
+        resharding = want is not None or from_rank is not None
         for s in candidates:
-            tiers = ["bb"] if s in on_all_nodes and want is None and from_rank is None else []
+            tiers = ["bb"] if s in on_all_nodes and not resharding else []
             tiers += ["pfs"] if s in pfs_steps else []
+            if not tiers:
+                problem = "only in the burst buffers; want= and from_rank= read the PFS copy"
+                skipped.append(f"step {s} (bb): {problem}")
+                if self.rank == 0:
+                    log.warning(
+                        "checkpoint %s step %d skipped: %s (wait for its drain)",
+                        self.name,
+                        s,
+                        problem,
+                    )
             for tier in tiers:
                 result, problem = self._try_restore(s, tier, want, from_rank)
                 if result is not None:
