@@ -171,16 +171,19 @@ class Checkpointer:
         self._said_direct = False
         self._closed = False
         self.last_restore_tier: str | None = None  # "bb" or "pfs", after restore()
-        pfs_steps: list[int] = []
+        pfs_steps: tuple[list[int], list[int]] = ([], [])
         with agreed(self.comm, f"checkpointer {name}: preparing the burst buffer"):
             if self.topo.is_leader:
                 self.journal.mkdir(parents=True, exist_ok=True)
                 (self.journal / drain.STOP).unlink(missing_ok=True)
                 drain.set_target(self.journal, self.pfs_dir, self.nodes, keep_pfs)
             if self.rank == 0:
-                pfs_steps = drain.steps_in(self.pfs_dir)
+                pfs_steps = drain.steps_in(self.pfs_dir), drain.committed_steps(self.pfs_dir)
+        present, committed = self.comm.bcast(pfs_steps, root=0)
         # steps with anything on the PFS: a save of one of them uncommits it first
-        self._pfs_steps: set[int] = set(self.comm.bcast(pfs_steps, root=0))
+        self._pfs_steps: set[int] = set(present)
+        # steps a save must not go below: committed ones, and those saved since
+        self._ordered_steps: set[int] = set(committed)
 
     # ---------------------------------------------------------------- save
 
@@ -263,6 +266,7 @@ class Checkpointer:
         if step in self._pfs_steps or any(old for *_, old, _ in checked):
             self._replace(step)  # saved before: its old copies go before any node writes
         self._pfs_steps.add(step)
+        self._ordered_steps.add(step)
         direct = not self._room_in_every_bb(need, free)
         step_dir = (self.pfs_dir if direct else self.bb_dir) / layout.step_dirname(step)
         if direct:
@@ -442,10 +446,12 @@ class Checkpointer:
         return bool(self.comm.allreduce(mine, op=_lor()))
 
     def _check_newest(self, step: int) -> None:
-        """Raise :class:`UsageError` if a later step than ``step`` is on the PFS (or saved by
-        this checkpointer): retention would trim ``step`` as soon as it is committed, and a
-        restart restore the later one.  Not collective (every rank knows the same steps)."""
-        later = sorted(s for s in self._pfs_steps if s > step)
+        """Raise :class:`UsageError` if a later step than ``step`` is committed on the PFS (or
+        saved by this checkpointer): retention would trim ``step`` as soon as it is
+        committed, and a restart restore the later one.  A later step left uncommitted
+        (its job died while draining it) is no reason.  Not collective (every rank knows
+        the same steps)."""
+        later = sorted(s for s in self._ordered_steps if s > step)
         if later:
             raise UsageError(
                 f"checkpoint {self.name} already has step {later[-1]}, later than step {step}: "
