@@ -283,7 +283,8 @@ def _env_layer(env: Mapping[str, str]) -> dict:
         values["user"] = env["SLURM_JOB_USER"]
     for name in SETTINGS:
         key = ENV_PREFIX + name.upper()
-        if key in env:
+        optional = "None" in SETTINGS[name].type
+        if key in env and not (optional and env[key] == ""):  # empty: not set here
             values[name] = _convert(name, env[key], f"environment variable {key}")
     return values
 

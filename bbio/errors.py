@@ -91,7 +91,10 @@ class NotDirectoryError(BBIOError, NotADirectoryError):
 
 
 class NoSpaceError(BBIOError, OSError):
-    """A device is, or would become, full."""
+    """A device is, or would become, full: ``errno`` is ENOSPC unless given."""
+
+    def __init__(self, message: str, *, errno: int | None = errno_codes.ENOSPC, **where) -> None:
+        super().__init__(message, errno=errno, **where)
 
 
 class IOFailure(BBIOError, OSError):

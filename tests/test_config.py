@@ -84,10 +84,16 @@ def test_bad_values_in_the_file_name_it(tmp_path, line, message):
         load_config(config_file=toml, env={})
 
 
-def test_empty_optional_strings_mean_unset():
-    config = load_config(env={"BBIO_PFS_ROOT": "", "BBIO_USER": ""})
-    assert config.pfs_root is None
-    assert config.user is None
+def test_empty_optional_settings_in_the_environment_are_not_set_there(tmp_path):
+    config = load_config(env={"BBIO_PFS_ROOT": "", "BBIO_USER": "", "BBIO_STRIPE_SIZE": ""})
+    assert config.pfs_root is None and config.user is None and config.stripe_size is None
+    slurm = {"SLURM_JOB_USER": "alice", "BBIO_USER": ""}
+    assert load_config(env=slurm).user == "alice"
+    toml = tmp_path / "bbio.toml"
+    toml.write_text('pfs_root = "/pfs/x"\n')
+    assert load_config(config_file=toml, env={"BBIO_PFS_ROOT": ""}).pfs_root == "/pfs/x"
+    toml.write_text('pfs_root = ""\n')  # in the file, an empty string unsets it
+    assert load_config(config_file=toml, env={}).pfs_root is None
 
 
 def test_user_comes_from_bbio_user_else_slurm_job_user_else_the_login_name(monkeypatch):

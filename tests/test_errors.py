@@ -44,6 +44,8 @@ def test_message_names_rank_node_path_and_hint():
         "needs 10 GiB, 2 GiB free", path="/bb/0", rank=3, node=1, hint="free space on the BB"
     )
     assert str(exc) == "rank 3, node 1: needs 10 GiB, 2 GiB free [/bb/0]. Free space on the BB"
+    assert exc.errno == errno.ENOSPC  # a refusal before writing, like a write that failed
+    assert pickle.loads(pickle.dumps(exc)).errno == errno.ENOSPC
 
 
 def test_errors_survive_pickling_between_ranks():

@@ -172,9 +172,15 @@ def test_a_filtered_stage_in_does_not_shrink_the_dataset(comm, data, mode):
 
 def test_a_complete_staged_copy_is_listed_from_its_manifest_not_the_pfs(comm, data):
     """A whole directory staged: open_dataset lists it from the manifest, so it opens and
-    reads from the burst buffers with the PFS directory gone."""
+    reads from the burst buffers with the PFS directory gone.  A FIFO and a symlink out
+    of the directory, never copied (nor samples), do not make the copy incomplete."""
     root, config = data
-    bbio.stage_in(comm, root / "files", f"{config.bb_root}/all", config=config)
+    if comm.Get_rank() == 0:
+        os.mkfifo(root / "files" / "pipe")
+        (root / "files" / "elsewhere").symlink_to(root / "x.raw")
+    comm.Barrier()
+    summary = bbio.stage_in(comm, root / "files", f"{config.bb_root}/all", config=config)
+    assert sorted(s.path for s in summary.skipped) == ["elsewhere", "pipe"]
     expected = [content(name) for name in NAMES]
     comm.Barrier()
     if comm.Get_rank() == 0:

@@ -721,7 +721,10 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
                         "node": topo.node,
                         "verified": verify,
                         "skipped": [dataclasses.asdict(s) for s in skipped],
-                        "complete": not (include or exclude or skipped),
+                        # special files and symlinks out of SRC are never copied, nor
+                        # listed by a reader's walk: only what a filter or an
+                        # unreadable file left out makes the copy incomplete
+                        "complete": not (include or exclude or problems),
                     },
                 ),
             )
