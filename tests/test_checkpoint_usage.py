@@ -192,3 +192,15 @@ def test_steps_are_integers_after_the_newest_and_attrs_are_json(comm, shared_tmp
         step, arrays, _ = ckpt.restore()
         assert step == 5 and same(arrays, state(50, rank))
         ckpt.save(6, state(6, rank)).wait(timeout=60)  # below the uncommitted step 9
+
+
+def test_a_rank_with_nothing_to_save_does_not_keep_the_checkpoint_from_committing(comm, shared_tmp):
+    size, rank = comm.Get_size(), comm.Get_rank()
+    config = config_for(comm, shared_tmp)
+    with bbio.Checkpointer(comm, "empty", config=config) as ckpt:
+        mine = {} if rank == size - 1 else state(1, rank)
+        ckpt.save(1, mine).wait(timeout=60)
+        step, arrays, _ = ckpt.restore(from_rank=size - 1)  # from the PFS
+        assert step == 1 and arrays == {}
+        step, arrays, _ = ckpt.restore(from_rank=0)
+        assert same(arrays, state(1, 0))

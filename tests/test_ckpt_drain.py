@@ -183,7 +183,7 @@ def test_a_later_job_of_fewer_nodes_never_commits_a_checkpoint_of_more(tmp_path)
     assert drain.commit_ready(j0) == []
     assert drain.read_manifest(pfs_step) is None
     node0 = describe_node_file(pfs_step / layout.node_filename(0), 0)
-    with pytest.raises(IntegrityError, match=r"hold no arrays of ranks \[2, 3\]"):
+    with pytest.raises(IntegrityError, match=r"are not those of ranks \[2, 3\]"):
         merge_descriptions([node0], pfs_step)
 
 
@@ -406,14 +406,45 @@ def test_overlapping_boxes_are_found_but_replicas_and_empty_boxes_are_not():
 def test_a_task_that_keeps_failing_does_not_hold_back_the_later_ones(tmp_path):
     j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
     two_node_save(tmp_path / "bb", 8, 2.5)
+    pfs = tmp_path / "pfs"
+    pfs.mkdir()
+    (pfs / layout.step_dirname(7)).write_text("a file where step 7's directory goes")
+    assert drain.run(j0, None, finish=True, timeout=3) == 1  # step 7 never drains
+    assert drain.run(j1, None, finish=True, timeout=3) == 1
+    assert drain.read_manifest(pfs / layout.step_dirname(8))["time"] == 2.5
+    status = drain.read_status(j0)
+    assert status["failing"] == [7] and status["retries"] >= 2, status
+    assert str(pfs / layout.step_dirname(7)) in status["error"], status
+    assert [t.step for t in drain.pending(j0)] == [7]  # retried by the next drain
+
+
+def test_a_damaged_burst_buffer_file_is_set_aside_not_retried(tmp_path):
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    two_node_save(tmp_path / "bb", 8, 2.5)
     damaged = tmp_path / "bb" / "0" / layout.CKPT_DIR / "run" / "step-00000007" / "node-00000.h5"
     damaged.write_bytes(b"not an HDF5 file" * 100)
-    assert drain.run(j0, None, finish=True, timeout=3) == 1  # step 7 never drains
+    started = time.monotonic()
+    assert drain.run(j0, None, finish=True, timeout=60) == 1  # at once: nothing to retry
+    assert time.monotonic() - started < 30
     assert drain.run(j1, None, finish=True, timeout=60) == 0
     pfs = tmp_path / "pfs"
     assert drain.read_manifest(pfs / layout.step_dirname(8))["time"] == 2.5
     assert drain.read_manifest(pfs / layout.step_dirname(7)) is None
+    assert not list((pfs / layout.step_dirname(7)).glob("*.bbio-part"))
     status = drain.read_status(j0)
-    assert status["failing"] == [7] and status["retries"] >= 2, status
-    assert str(damaged) in status["error"], status
-    assert [t.step for t in drain.pending(j0)] == [7]
+    assert list(status["damaged"]) == ["7"] and str(damaged) in status["damaged"]["7"]
+    assert drain.pending(j0) == [] and drain.set_aside_path(j0, 7).exists()
+
+
+def test_waiting_for_a_save_set_aside_as_damaged_fails_at_once(tmp_path):
+    from bbio.checkpoint.checkpointer import SaveHandle
+
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    damaged = tmp_path / "bb" / "0" / layout.CKPT_DIR / "run" / "step-00000007" / "node-00000.h5"
+    damaged.write_bytes(b"not an HDF5 file" * 100)
+    assert drain.run(j0, None, finish=True, timeout=60) == 1
+    handle = SaveHandle("run", 7, tmp_path / "pfs" / layout.step_dirname(7), j0, 2)
+    started = time.monotonic()
+    with pytest.raises(IntegrityError, match="step 7 will not be committed: the node file"):
+        handle.wait(timeout=60)
+    assert time.monotonic() - started < 30 and not handle.done()

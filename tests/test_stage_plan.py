@@ -103,6 +103,13 @@ def test_merge_node_trees_dedupes_identical_and_reports_conflicts():
     assert conflicts == [plan.Conflict("clash", (0, 1))]
 
 
+def test_what_is_seen_through_a_destination_symlink_is_not_there():
+    dest = {"a": DestState(DIR, 0, 1), "a/x": DestState(FILE, 3, 1)}
+    dest |= {"b": DestState(SYMLINK, 0, 1, "a"), "b/x": DestState(FILE, 3, 1)}
+    dest |= {"b/c/y": DestState(FILE, 1, 1), "bb/x": DestState(FILE, 1, 1)}
+    assert sorted(plan.not_through_symlinks(dest)) == ["a", "a/x", "b", "bb/x"]
+
+
 def test_files_held_alike_are_compared_by_checksum():
     trees = [[f("a", 3, 1), f("b", 3, 1)], [f("a", 3, 1), f("b", 4, 1)], [f("a", 3, 1)]]
     alike = plan.held_alike(trees)

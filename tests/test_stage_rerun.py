@@ -30,7 +30,9 @@ def test_a_symlink_replaced_by_a_directory_in_the_source_is_not_written_through(
     if comm.Get_rank() == 0:
         (src / "b").unlink()
         (src / "b").mkdir()
-        (src / "b" / "x").write_bytes(b"CONTENT OF B/X")  # the same size as a/x
+        (src / "b" / "x").write_bytes(b"CONTENT OF B/X")  # the same size as a/x ...
+        mtime = (src / "a" / "x").stat().st_mtime_ns  # ... and mtime, as after cp -a
+        os.utime(src / "b" / "x", ns=(mtime, mtime))
     comm.Barrier()
     bbio.stage_in(comm, src, dst, config=config, verify=True)
     for node in ("0", "1"):

@@ -74,15 +74,29 @@ class SaveHandle:
                 return known
         return drain.read_manifest(self.pfs_step_dir) is not None
 
+    def _raise_if_set_aside(self) -> None:
+        if self.skipped or self.direct or drain.task_path(self.journal, self.step).exists():
+            return
+        why = drain.read_status(self.journal).get("damaged", {}).get(str(self.step))
+        if why is not None:
+            raise IntegrityError(
+                f"checkpoint {self.name} step {self.step} will not be committed: {why}",
+                path=drain.set_aside_path(self.journal, self.step),
+                hint="save again (a later step, or this one)",
+            )
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until :meth:`done`; at ``timeout`` seconds raise :class:`BBIOTimeoutError`.
 
         The error says which nodes' files are not on the PFS yet and what this
-        node's drain last reported.
+        node's drain last reported.  Raises :class:`IntegrityError` at once when
+        this node's drain has set the save aside (its burst-buffer file is
+        damaged: it will never be committed).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.005  # then longer, up to MAX_WAIT_POLL_SECONDS
         while not self.done():
+            self._raise_if_set_aside()
             if deadline is not None and time.monotonic() > deadline:
                 missing = [
                     n

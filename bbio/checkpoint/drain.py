@@ -32,8 +32,11 @@ retention, and this node's BB copies beyond ``keep_bb`` that are committed
 are trimmed (again every second while idle, until none is left waiting for
 other nodes' commits; the PFS is read only when copies are over the limit).
 A task that fails is retried with exponential backoff while the tasks after
-it go on (one damaged checkpoint never holds back the later ones), and the
-failure is reported in ``status.json`` until the task succeeds or leaves.
+it go on, and the failure is reported in ``status.json`` until the task
+succeeds or leaves.  A node file that is not a checkpoint file (damaged in the
+burst buffer) can never be drained: its task is set aside as
+``damaged-<step>.json`` and reported (``damaged``), not retried, so it holds
+back neither later checkpoints nor ``close`` nor a backpressure policy.
 """
 
 from __future__ import annotations
@@ -116,6 +119,16 @@ def journal_dir(bb_ckpt_dir: Path) -> Path:
 def task_path(journal: Path, step: int) -> Path:
     """The journal entry of a step."""
     return journal / f"task-{step:08d}.json"
+
+
+def set_aside_path(journal: Path, step: int) -> Path:
+    """Where the entry of a step whose burst-buffer file is damaged is kept for the admin."""
+    return journal / f"damaged-{step:08d}.json"
+
+
+class DamagedNodeFile(IntegrityError):
+    """A node file in the burst buffer that is not a checkpoint file: it can never be
+    drained, so its task is set aside rather than retried."""
 
 
 def add_task(journal: Path, task: Task) -> None:
@@ -267,11 +280,12 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
         try:
             contents = describing.result()
         except OSError as exc:  # h5py's: the burst buffer's file is not a node file
-            raise IntegrityError(
+            temp.unlink(missing_ok=True)
+            raise DamagedNodeFile(
                 f"the node file cannot be read as a checkpoint: {exc}",
                 path=task.source,
-                hint="it is damaged: its checkpoint cannot be drained (later ones are); "
-                "a restore passes over it",
+                hint="it is damaged: this checkpoint cannot be drained (its task is set "
+                "aside in the journal; later ones are drained), a restore passes over it",
             ) from None
     if size != result.nbytes or crc != result.crc32c:
         raise IntegrityError(
@@ -643,11 +657,13 @@ class _Commits:
         self.awaiting: dict[int, Task] = {}
         self.committed: list[int] = []
         self.failures: dict[tuple[int, float | None], _Failure] = {}
+        self.damaged: dict[int, str] = {}  # step -> why its task was set aside
         self.since = self.next_look = 0.0
 
     def report(self, **status: Any) -> None:
         """Write the status: ``state`` (default idle), ``error`` and ``retries`` (default:
-        of the latest failure still to retry), the steps failing and the commits."""
+        of the latest failure still to retry), the steps failing, the steps set aside as
+        damaged (with why) and the commits."""
         latest = max(self.failures.values(), key=lambda f: f.retry_at - f.backoff, default=None)
         trouble = {"error": latest.message, "retries": latest.count} if latest else {}
         _write_status(
@@ -655,6 +671,7 @@ class _Commits:
             awaiting=sorted(self.awaiting),
             committed=self.committed,
             failing=sorted({step for step, _ in self.failures}),
+            damaged={str(step): why for step, why in sorted(self.damaged.items())},
             **{"state": "idle", "error": None, "retries": 0, **trouble, **status},
         )
 
@@ -802,7 +819,7 @@ def _drain(
                 with contextlib.suppress(BBIOError):  # no save will come to reuse them
                     drop_spares(journal.parent)
                 commits.report(state=STOPPED)
-                return 0
+                return 1 if finish and commits.damaged else 0
             waker.pause(min(POLL_SECONDS, max(commits.until_next_look(), 0.001)))
             continue
         now = time.monotonic()
@@ -816,11 +833,18 @@ def _drain(
             continue
         task = ready[0]
         failure = failures.pop(_task_key(task), None)
+        commits.damaged.pop(task.step, None)  # a new save of a step set aside
         try:
-            commits.report(state="copying", step=task.step, retries=getattr(failure, "count", 0))
+            retrying = {"retries": failure.count, "error": failure.message} if failure else {}
+            commits.report(state="copying", step=task.step, **retrying)
             untrimmed = task if _process(journal, task, commits) else None
             trimmed_at = time.monotonic()
             commits.restart_looking()
+        except DamagedNodeFile as exc:  # never drainable: set aside, not retried
+            _set_aside(journal, task)
+            commits.damaged[task.step] = str(exc)
+            commits.report(state="idle")
+            print(f"bbio drain: {exc} (set aside, not retried)", file=sys.stderr)
         except Exception as exc:  # the drain outlives any one failure, and says why
             count = failure.count + 1 if failure else 1
             backoff = min(failure.backoff * 2, MAX_BACKOFF_SECONDS) if failure else 1.0
@@ -832,6 +856,14 @@ def _drain(
             print(f"bbio drain: {message} (retry {count} in {backoff:.0f} s)", file=sys.stderr)
         if deadline is not None and time.monotonic() > deadline:
             return 1
+
+
+def _set_aside(journal: Path, task: Task) -> None:
+    """Move ``task``'s journal entry to its set-aside name, unless a newer save replaced it."""
+    path = task_path(journal, task.step)
+    if task.is_save_of(files.read_json(path)):
+        os.replace(path, set_aside_path(journal, task.step))
+        files.fsync_dirs([journal])
 
 
 def _task_key(task: Task) -> tuple[int, float | None]:

@@ -66,6 +66,7 @@ def describe_node_file(path: Path, node: int) -> dict[str, Any]:
         "time": float(attrs["time"]),
         "ranks": int(attrs["ranks"]),
         "nodes": int(attrs["nodes"]),
+        "node_ranks": [int(r) for r in attrs["node_ranks"]],
         "layout": str(attrs["layout"]),
         "global_shapes": json.loads(attrs["global_shapes"]),
         "user_attrs": json.loads(attrs["user_attrs"]),
@@ -127,6 +128,8 @@ def merge_descriptions(descriptions: list[dict[str, Any]], where: Path) -> dict[
     rank_nodes: dict[int, int] = {}
     datasets = []
     for description in descriptions:
+        for rank in description.get("node_ranks", ()):  # a rank may have saved nothing
+            rank_nodes[rank] = description["node"]
         for entry in description["datasets"]:
             rank_nodes[entry["rank"]] = entry["node"]
             datasets.append(entry)
@@ -138,7 +141,7 @@ def merge_descriptions(descriptions: list[dict[str, Any]], where: Path) -> dict[
     if missing:
         raise IntegrityError(
             f"the checkpoint was saved by {first['ranks']} ranks, but the files of nodes "
-            f"{[d['node'] for d in descriptions]} hold no arrays of ranks {missing[:10]}",
+            f"{[d['node'] for d in descriptions]} are not those of ranks {missing[:10]}",
             path=where,
             hint="a node's file is missing: its drain has not copied it yet",
         )

@@ -53,6 +53,21 @@ def up_to_date(src: Entry, dst: DestState | None) -> bool:
     return src.kind == DIR or (dst.size == src.size and dst.mtime_ns == src.mtime_ns)
 
 
+def not_through_symlinks(dest: Mapping[str, DestState]) -> dict[str, DestState]:
+    """``dest`` without the paths below one of its symlinks: what was seen through a
+    symlink (a copy of an earlier source symlink, replaced by a directory before the
+    copy) is not in the destination."""
+    links = {path for path, state in dest.items() if state.kind == SYMLINK}
+    if not links:
+        return dict(dest)
+
+    def through_link(path: str) -> bool:
+        parts = path.split("/")
+        return any("/".join(parts[:i]) in links for i in range(1, len(parts)))
+
+    return {path: state for path, state in dest.items() if not through_link(path)}
+
+
 def to_copy(entries: Iterable[Entry], dest: Mapping[str, DestState]) -> list[Entry]:
     """The files and symlinks of ``entries`` whose destination is missing or different."""
     return [e for e in entries if e.kind != DIR and not up_to_date(e, dest.get(e.path))]

@@ -110,7 +110,8 @@ class StageSummary:
 def dest_state(comm, root: Path, paths: Sequence[str]) -> dict[str, plan.DestState]:
     """Collective over ``comm``: what ``root/path`` holds now, for every path (lstat, dealt out).
 
-    A path that cannot be looked at fails the call on every rank of ``comm``.
+    A path seen through a symlink among ``paths`` counts as absent.  A path that
+    cannot be looked at fails the call on every rank of ``comm``.
     """
     base = os.fspath(root)
 
@@ -136,7 +137,7 @@ def dest_state(comm, root: Path, paths: Sequence[str]) -> dict[str, plan.DestSta
     merged: dict[str, plan.DestState] = {}
     for part in agreed_allgather(comm, f"looking at {root}", look):
         merged.update(part)
-    return merged
+    return plan.not_through_symlinks(merged)
 
 
 def _without(entries: Iterable[Entry], paths: set[str]) -> list[Entry]:
