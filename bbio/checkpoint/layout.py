@@ -166,20 +166,34 @@ def first_overlap(boxes: Sequence[Box]) -> tuple[int, int] | None:
     """The indexes of two boxes that overlap and differ, or None when the boxes are
     disjoint but for identical ones (replicas) and empty ones.
 
-    Sweeps the boxes in order of their start along the first axis, so a split of
-    a global array along that axis costs one comparison per box.
+    Identical boxes are compared once; the others are swept in order of their
+    start along the axis where their starts differ most (the axis a global array
+    is split on), each against the boxes that start before it ends there, at
+    once (NumPy): 4096 shards in a 64 x 64 grid take milliseconds.
     """
-    order = sorted(
-        (i for i, box in enumerate(boxes) if all(n > 0 for n in box[1])),
-        key=lambda i: boxes[i][0][:1],
-    )
-    for position, i in enumerate(order):
-        (start_i, *_), (length_i, *_) = boxes[i] if boxes[i][0] else ((0,), (1,))
-        for j in order[position + 1 :]:
-            if boxes[j][0] and boxes[j][0][0] >= start_i + length_i:
-                break  # this and the later ones start past box i along the first axis
-            if boxes[i] != boxes[j] and intersect(boxes[i], boxes[j]) is not None:
-                return (i, j) if i < j else (j, i)
+    first: dict[Box, int] = {}
+    for i, box in enumerate(boxes):
+        if all(n > 0 for n in box[1]):
+            first.setdefault(box, i)
+    distinct = list(first.values())
+    ndim = len(boxes[distinct[0]][0]) if distinct else 0
+    if ndim == 0:
+        return None  # no box, or scalars: every one is the same box
+    starts = np.array([boxes[i][0] for i in distinct], dtype=np.int64)
+    ends = starts + np.array([boxes[i][1] for i in distinct], dtype=np.int64)
+    axis = max(range(ndim), key=lambda a: len(np.unique(starts[:, a])))
+    order = np.argsort(starts[:, axis], kind="stable")
+    starts, ends = starts[order], ends[order]
+    # box p can only meet the boxes after it that start before it ends along the axis
+    stops = np.searchsorted(starts[:, axis], ends[:, axis], side="left")
+    for p in np.flatnonzero(stops > np.arange(1, len(order) + 1)):  # a box in its window
+        window = slice(p + 1, stops[p])
+        meets = np.all(
+            np.maximum(starts[p], starts[window]) < np.minimum(ends[p], ends[window]), axis=1
+        )
+        if meets.any():
+            i, j = distinct[order[p]], distinct[order[p + 1 + int(np.argmax(meets))]]
+            return (i, j) if i < j else (j, i)
     return None
 
 

@@ -474,17 +474,20 @@ def _commit_symlinks(dst_root: Path, links: Iterable[Entry]) -> int:
 
 
 def _crcs_of_unchanged(
-    node_comm, root: Path, unchanged: Sequence[Entry], old: Manifest | None
+    comm, root: Path, unchanged: Sequence[Entry], old: Manifest | None
 ) -> dict[str, int]:
-    """Collective over ``node_comm``: CRC32C of files skipped as up to date.
+    """Collective over ``comm``: CRC32C of this rank's ``unchanged`` files (skipped as up
+    to date).
 
     From the previous manifest when it describes the same version; otherwise
-    (files an interrupted run committed) their copy under ``root`` is read, dealt
-    out over the node's ranks: stage-in reads the source, so that ``--verify``
-    then checks the copy against it, not against itself.
+    (files an interrupted run committed) the file under ``root`` is read, each
+    once over ``comm``'s ranks, whichever nodes need it: stage-in reads the
+    source, so that ``--verify`` then checks the copy against it, not against
+    itself.  A file that no longer has the size and mtime it had when the walk
+    saw it gets no CRC32C (it is copied again by the next run).
     """
     known = old.by_path() if old else {}
-    crcs, unknown = {}, []
+    crcs, unknown = {}, set()
     for e in unchanged:
         previous = known.get(e.path)
         if e.kind != FILE:
@@ -492,15 +495,38 @@ def _crcs_of_unchanged(
         if previous and previous.same_version(e) and previous.crc32c is not None:
             crcs[e.path] = previous.crc32c
         else:
-            unknown.append(e)
-    parts = agreed_allgather(
-        node_comm,
-        f"reading the files already in {root}",
-        lambda: {e.path: files.checksum_file(root / e.path)[1] for e in deal(unknown, node_comm)},
-    )
-    for part in parts:
-        crcs.update(part)
+            unknown.add((e.path, e.size, e.mtime_ns))
+    everyone = sorted(set().union(*comm.allgather(unknown)))
+
+    def read() -> dict[str, int]:
+        found = {}
+        for path, size, mtime_ns in deal(everyone, comm):
+            crc = files.checksum_file(root / path)[1]
+            st = os.stat(root / path)
+            if (st.st_size, st.st_mtime_ns) == (size, mtime_ns):
+                found[path] = crc
+        return found
+
+    wanted = {path for path, _, _ in unknown}
+    for part in agreed_allgather(comm, f"reading the files already in {root}", read):
+        crcs.update((path, crc) for path, crc in part.items() if path in wanted)
     return crcs
+
+
+def _differing_copies(
+    comm, topo, src_root: Path, trees: Sequence[Sequence[Entry]], to_copy: set[str]
+) -> list[plan.Conflict]:
+    """Collective over ``comm``: the files to copy that several nodes hold with one size
+    and mtime but other bytes.  Each node's ranks share the reading of its copies."""
+    alike = {p: n for p, n in plan.held_alike(trees).items() if p in to_copy}
+    held_here = sorted(p for p, nodes in alike.items() if topo.node in nodes)
+    sums: dict[str, int] = {}
+    with agreed(comm, "stage-out: comparing the files several nodes hold alike"):
+        sums = {p: files.checksum_file(src_root / p)[1] for p in deal(held_here, topo.node_comm)}
+    by_node: list[dict[str, int]] = [{} for _ in trees]
+    for node, part in comm.allgather((topo.node, sums)):
+        by_node[node].update(part)
+    return plan.differing_copies(alike, by_node)
 
 
 def _verify_copies(
@@ -692,7 +718,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     unchanged = [e for e in mine if e.kind == FILE and e.path not in todo_paths]
     node_crcs = dict(copied.crcs)
     with agreed(comm, "stage-in: checksums of files already in place"):
-        node_crcs.update(_crcs_of_unchanged(topo.node_comm, src, unchanged, old))
+        node_crcs.update(_crcs_of_unchanged(comm, src, unchanged, old))
     as_copied = {**{e.path: e for e in mine}, **copied.entries}  # this node's files
     if verify:
         with agreed(comm, "stage-in: verifying"):
@@ -848,14 +874,12 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
     trees = comm.allgather(entries if topo.is_leader else None)
     trees = [t for t in trees if t is not None]
     chosen, conflicts = plan.merge_node_trees(trees)
-    alike = plan.held_alike(trees)
-    sums: dict[str, int] = {}
-    with agreed(comm, "stage-out: comparing the files several nodes hold alike"):
-        if topo.is_leader:
-            held_here = [p for p, nodes in alike.items() if topo.node in nodes]
-            sums = {p: files.checksum_file(src_root / p)[1] for p in held_here}
-    by_node = [s for s in comm.allgather(sums if topo.is_leader else None) if s is not None]
-    conflicts = sorted([*conflicts, *plan.differing_copies(alike, by_node)], key=lambda c: c.path)
+    merged = {e.path: e for node_entries in reversed(trees) for e in node_entries}
+    everything = [merged[p] for p in sorted(merged)]
+    current = dest_state(comm, dst_root, [e.path for e in everything])
+    todo_all = plan.to_copy(everything, current)
+    differing = _differing_copies(comm, topo, src_root, trees, {e.path for e in todo_all})
+    conflicts = sorted([*conflicts, *differing], key=lambda c: c.path)
     if conflicts:
         listing = "; ".join(
             f"{c.path} (nodes {', '.join(map(str, c.nodes))})" for c in conflicts[:20]
@@ -865,8 +889,6 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
             path=dst_root,
             hint="give each node's outputs distinct names (for example include the node or rank)",
         )
-    merged = {e.path: e for node_entries in reversed(trees) for e in node_entries}
-    everything = [merged[p] for p in sorted(merged)]
     dirs = [e for e in everything if e.kind == DIR]
     skipped = sorted(
         [
@@ -876,8 +898,6 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
         ],
         key=lambda s: s.path,
     )
-    current = dest_state(comm, dst_root, [e.path for e in everything])
-    todo_all = plan.to_copy(everything, current)
     old = None
     with agreed(comm, "stage-out: reading the previous manifest"):
         old = files.read_manifest(dst_root)
