@@ -184,16 +184,19 @@ def wait_committed(
 
     Raises :class:`NotFoundError` at once when ``name`` is neither on this
     node's burst buffer ``bb_root`` nor on the PFS (a typo would wait for
-    ever), or as soon as the step is not on the PFS while a later one is
-    committed (retention removed it, or it was never saved: it will not come);
-    :class:`BBIOTimeoutError` at ``timeout``.
+    ever), or as soon as the step is neither on the PFS nor queued on this
+    node while a later one is committed (retention removed it, or it was never
+    saved: it will not come); :class:`BBIOTimeoutError` at ``timeout``.  A
+    damaged manifest counts as not committed yet (a drain replaces it).
     """
     _names_to_look_at(bb_root, pfs_root, name)
     step_dir = pfs_root / layout.CKPT_DIR / name / layout.step_dirname(step)
+    queued_here = drain.task_path(drain.journal_dir(bb_root / layout.CKPT_DIR / name), step)
     deadline = None if timeout is None else time.monotonic() + timeout
-    while drain.read_manifest(step_dir) is None:
-        later = [s for s in drain.committed_steps(step_dir.parent) if s > step]
-        if later and not step_dir.exists():
+    while not drain.committed_save(step_dir):
+        gone = not step_dir.exists() and not queued_here.exists()
+        later = [s for s in drain.committed_steps(step_dir.parent) if s > step] if gone else []
+        if later:
             raise NotFoundError(
                 f"checkpoint {name} step {step} is not on the PFS, and step {later[-1]} is "
                 "committed: retention removed it, or it was never saved",

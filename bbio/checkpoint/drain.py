@@ -213,7 +213,7 @@ def commit_ready(journal: Path) -> list[int]:
     if ckpt_dir.is_dir():
         for entry in sorted(ckpt_dir.iterdir()):
             step = layout.parse_step(entry.name)
-            uncommitted = step is not None and not _committed_save(entry, None)
+            uncommitted = step is not None and not committed_save(entry, None)
             if uncommitted and try_commit(entry, target["nodes"]):
                 apply_pfs_retention(ckpt_dir, target["keep_pfs"])
                 done.append(step)
@@ -387,13 +387,13 @@ def try_commit(step_dir: Path, nodes: int) -> bool:
     if {(r.get("contents") or {}).get("nodes", nodes) for r in records} != {nodes}:
         return False  # saved by another node count (a later job's target): its own drains commit
     save = saves.pop()
-    if _committed_save(step_dir, save):
+    if committed_save(step_dir, save):
         return True
     lock = _take_commit_lock(step_dir)
     if lock is None:
         return False  # another node's drain is committing it
     try:
-        if _committed_save(step_dir, save):
+        if committed_save(step_dir, save):
             return True
         manifest_path(step_dir).unlink(missing_ok=True)  # of an older save, if any
         contents = [
@@ -424,9 +424,10 @@ def try_commit(step_dir: Path, nodes: int) -> bool:
     return True
 
 
-def _committed_save(step_dir: Path, save: float | None) -> bool:
+def committed_save(step_dir: Path, save: float | None = None) -> bool:
     """Is ``step_dir`` committed, by the save of time ``save`` (None: any save)?  Not with
-    a damaged manifest: a commit replaces it, as it does one of an older save."""
+    a damaged manifest: a commit replaces it, as it does one of an older save.  Not
+    collective."""
     try:
         manifest = read_manifest(step_dir)
     except IntegrityError:
@@ -455,7 +456,7 @@ def committed_steps(ckpt_dir: Path) -> list[int]:
     if ckpt_dir.is_dir():
         for entry in ckpt_dir.iterdir():
             step = layout.parse_step(entry.name)
-            if step is not None and _committed_save(entry, None):
+            if step is not None and committed_save(entry, None):
                 steps.append(step)
     return sorted(steps)
 
@@ -526,7 +527,10 @@ def trim_bb(
     left = 0
     for step in surplus:
         step_dir = bb_ckpt_dir / layout.step_dirname(step)
-        record = files.read_json(step_dir / layout.node_record_name(node)) or {}
+        try:
+            record = files.read_json(step_dir / layout.node_record_name(node)) or {}
+        except IntegrityError:  # a damaged record: kept for the admin, never trimmed
+            record = {}
         drained = record.get("crc32c") is not None
         if not drained or step in queued or not any(done >= step for done in committed):
             left += 1
@@ -724,7 +728,7 @@ def _is_committed(task: Task) -> bool:
     its directory is gone and a newer step is committed."""
     step_dir = Path(task.pfs_step_dir)
     try:
-        if _committed_save(step_dir, task.save_time):
+        if committed_save(step_dir, task.save_time):
             return True
         return not step_dir.exists() and any(
             s > task.step for s in committed_steps(step_dir.parent)
