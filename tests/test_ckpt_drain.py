@@ -432,19 +432,52 @@ def test_a_damaged_burst_buffer_file_is_set_aside_not_retried(tmp_path):
     assert drain.read_manifest(pfs / layout.step_dirname(7)) is None
     assert not list((pfs / layout.step_dirname(7)).glob("*.bbio-part"))
     status = drain.read_status(j0)
-    assert list(status["damaged"]) == ["7"] and str(damaged) in status["damaged"]["7"]
+    assert list(status["damaged"]) == ["7"] and str(damaged) in status["damaged"]["7"]["why"]
     assert drain.pending(j0) == [] and drain.set_aside_path(j0, 7).exists()
+    assert drain.damaged_on_pfs(pfs / layout.step_dirname(7), 0).exists()  # for other nodes
+    assert drain.run(j0, None, finish=True, timeout=60) == 1  # a later drain still says so
+    assert list(drain.read_status(j0)["damaged"]) == ["7"]
+    two_node_save(tmp_path / "bb", 7, 3.5)  # saved again: the new save is drained
+    assert drain.run(j0, None, finish=True, timeout=60) == 0
+    assert drain.run(j1, None, finish=True, timeout=60) == 0
+    assert drain.read_manifest(pfs / layout.step_dirname(7))["time"] == 3.5
+    assert not drain.set_aside_path(j0, 7).exists()
 
 
-def test_waiting_for_a_save_set_aside_as_damaged_fails_at_once(tmp_path):
+def test_waiting_for_a_save_set_aside_as_damaged_fails_at_once_on_every_node(tmp_path):
     from bbio.checkpoint.checkpointer import SaveHandle
 
-    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
     damaged = tmp_path / "bb" / "0" / layout.CKPT_DIR / "run" / "step-00000007" / "node-00000.h5"
     damaged.write_bytes(b"not an HDF5 file" * 100)
     assert drain.run(j0, None, finish=True, timeout=60) == 1
-    handle = SaveHandle("run", 7, tmp_path / "pfs" / layout.step_dirname(7), j0, 2)
-    started = time.monotonic()
-    with pytest.raises(IntegrityError, match="step 7 will not be committed: the node file"):
-        handle.wait(timeout=60)
-    assert time.monotonic() - started < 30 and not handle.done()
+    assert drain.run(j1, None, finish=True, timeout=60) == 0  # node 1's file is fine
+    step_dir = tmp_path / "pfs" / layout.step_dirname(7)
+    for journal in (j0, j1):  # node 1 learns it from node 0's marker on the PFS
+        handle = SaveHandle("run", 7, step_dir, journal, 2)
+        started = time.monotonic()
+        with pytest.raises(IntegrityError, match="step 7 will not be committed: node 0's file"):
+            handle.wait(timeout=60)
+        assert time.monotonic() - started < 30 and not handle.done()
+
+
+def test_a_running_drain_tells_its_ranks_that_another_nodes_file_is_damaged(tmp_path):
+    from bbio.checkpoint.checkpointer import SaveHandle
+
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    damaged = tmp_path / "bb" / "0" / layout.CKPT_DIR / "run" / "step-00000007" / "node-00000.h5"
+    damaged.write_bytes(b"not an HDF5 file" * 100)
+    background = threading.Thread(target=drain.run, args=(j1, os.getpid(), False, None))
+    background.start()  # node 1's drain, as a job runs it: copies, then awaits node 0
+    try:
+        deadline = time.monotonic() + 60
+        while drain.read_status(j1).get("awaiting") != [7] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert drain.run(j0, None, finish=True, timeout=60) == 1
+        handle = SaveHandle("run", 7, tmp_path / "pfs" / layout.step_dirname(7), j1, 2)
+        with pytest.raises(IntegrityError, match="node 0's file is damaged"):
+            handle.wait(timeout=60)
+        assert drain.read_status(j1)["awaiting"] == []  # it no longer looks for that commit
+    finally:
+        (j1 / drain.STOP).write_text("{}")
+        background.join(timeout=60)

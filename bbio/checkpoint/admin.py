@@ -13,6 +13,7 @@ from pathlib import Path
 from bbio.checkpoint import drain, layout
 from bbio.checkpoint import restore as reader
 from bbio.errors import BBIOTimeoutError, IntegrityError, NotFoundError
+from bbio.transfer import files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +195,14 @@ def wait_committed(
     queued_here = drain.task_path(drain.journal_dir(bb_root / layout.CKPT_DIR / name), step)
     deadline = None if timeout is None else time.monotonic() + timeout
     while not drain.committed_save(step_dir):
+        damaged = drain.damaged_latest_save(step_dir, files.read_json(queued_here))
+        if damaged is not None:
+            raise IntegrityError(
+                f"checkpoint {name} step {step} will not be committed: node "
+                f"{damaged.get('node')}'s file is damaged: {damaged.get('why')}",
+                path=step_dir,
+                hint="save the step again, or wait for a later one",
+            )
         gone = not step_dir.exists() and not queued_here.exists()
         later = [s for s in drain.committed_steps(step_dir.parent) if s > step] if gone else []
         if later:

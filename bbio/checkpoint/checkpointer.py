@@ -75,15 +75,24 @@ class SaveHandle:
         return drain.read_manifest(self.pfs_step_dir) is not None
 
     def _raise_if_set_aside(self) -> None:
-        if self.skipped or self.direct or drain.task_path(self.journal, self.step).exists():
+        """Raise if a node's drain set this save aside (this node's, or another's seen on
+        the PFS by this node's drain); not for a later save of the step."""
+        if self.skipped or self.direct:
             return
-        why = drain.read_status(self.journal).get("damaged", {}).get(str(self.step))
-        if why is not None:
-            raise IntegrityError(
-                f"checkpoint {self.name} step {self.step} will not be committed: {why}",
-                path=drain.set_aside_path(self.journal, self.step),
-                hint="save again (a later step, or this one)",
-            )
+        entry = drain.read_status(self.journal).get("damaged", {}).get(str(self.step))
+        queued = files.read_json(drain.task_path(self.journal, self.step))
+        if entry is None and drain.step_committed(self.journal, self.step) is None:
+            entry = drain.damaged_latest_save(self.pfs_step_dir, queued)  # no drain to tell
+        if entry is None:
+            return
+        if queued is not None and queued.get("save_time") != entry.get("time"):
+            return  # saved again since
+        raise IntegrityError(
+            f"checkpoint {self.name} step {self.step} will not be committed: node "
+            f"{entry.get('node')}'s file is damaged: {entry.get('why')}",
+            path=self.pfs_step_dir,
+            hint="save again (a later step, or this one)",
+        )
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until :meth:`done`; at ``timeout`` seconds raise :class:`BBIOTimeoutError`.
@@ -186,18 +195,21 @@ class Checkpointer:
         self._closed = False
         self.last_restore_tier: str | None = None  # "bb" or "pfs", after restore()
         pfs_steps: tuple[list[int], list[int]] = ([], [])
+        queued: list[int] = []
         with agreed(self.comm, f"checkpointer {name}: preparing the burst buffer"):
             if self.topo.is_leader:
                 self.journal.mkdir(parents=True, exist_ok=True)
                 (self.journal / drain.STOP).unlink(missing_ok=True)
                 drain.set_target(self.journal, self.pfs_dir, self.nodes, keep_pfs)
+                queued = [task.step for task in drain.pending(self.journal)]
             if self.rank == 0:
                 pfs_steps = drain.steps_in(self.pfs_dir), drain.committed_steps(self.pfs_dir)
         present, committed = self.comm.bcast(pfs_steps, root=0)
         # steps with anything on the PFS: a save of one of them uncommits it first
         self._pfs_steps: set[int] = set(present)
-        # steps a save must not go below: committed ones, and those saved since
-        self._ordered_steps: set[int] = set(committed)
+        # steps a save must not go below: committed ones, those an earlier job left
+        # queued here (its drain may still commit them), and those saved since
+        self._ordered_steps: set[int] = set(committed).union(*self.comm.allgather(queued))
 
     # ---------------------------------------------------------------- save
 
@@ -460,11 +472,12 @@ class Checkpointer:
         return bool(self.comm.allreduce(mine, op=_lor()))
 
     def _check_newest(self, step: int) -> None:
-        """Raise :class:`UsageError` if a later step than ``step`` is committed on the PFS (or
-        saved by this checkpointer): retention would trim ``step`` as soon as it is
-        committed, and a restart restore the later one.  A later step left uncommitted
-        (its job died while draining it) is no reason.  Not collective (every rank knows
-        the same steps)."""
+        """Raise :class:`UsageError` if a later step than ``step`` is committed on the PFS,
+        still queued for a drain, or saved by this checkpointer: retention would trim
+        ``step`` as soon as it is committed, and a restart restore the later one.  A later
+        step left uncommitted and unqueued (its job died while draining it, and no node
+        holds it any more) is no reason.  Not collective (every rank knows the same
+        steps)."""
         later = sorted(s for s in self._ordered_steps if s > step)
         if later:
             raise UsageError(

@@ -122,13 +122,32 @@ def task_path(journal: Path, step: int) -> Path:
 
 
 def set_aside_path(journal: Path, step: int) -> Path:
-    """Where the entry of a step whose burst-buffer file is damaged is kept for the admin."""
+    """The marker that sets a save of ``step`` aside: its burst-buffer file is damaged."""
     return journal / f"damaged-{step:08d}.json"
+
+
+def damaged_on_pfs(pfs_step_dir: Path, node: int) -> Path:
+    """The marker by which a node tells the other nodes that its file of a save is damaged."""
+    return pfs_step_dir / f"node-{node:05d}.damaged.json"
 
 
 class DamagedNodeFile(IntegrityError):
     """A node file in the burst buffer that is not a checkpoint file: it can never be
-    drained, so its task is set aside rather than retried."""
+    drained, so its save is set aside rather than retried."""
+
+
+def set_aside(journal: Path) -> dict[int, dict[str, Any]]:
+    """The saves set aside in ``journal`` whose task is still the one queued:
+    {step: {"time": save time, "why": message}}.  Not collective."""
+    found = {}
+    for marker in journal.glob("damaged-*.json"):
+        with contextlib.suppress(BBIOError, ValueError):
+            step = int(marker.stem.partition("-")[2])
+            document = files.read_json(marker) or {}
+            task = files.read_json(task_path(journal, step))
+            if task is not None and task.get("save_time") == document.get("time"):
+                found[step] = document
+    return found
 
 
 def add_task(journal: Path, task: Task) -> None:
@@ -184,12 +203,15 @@ class _Waker:
 
 
 def pending(journal: Path) -> list[Task]:
-    """The queued tasks, oldest step first."""
+    """The queued tasks, oldest step first, but for saves set aside (damaged)."""
+    aside = set_aside(journal)
     tasks = []
     for path in sorted(journal.glob("task-*.json")):
         document = files.read_json(path)
         if document is not None:
-            tasks.append(Task(**document))
+            task = Task(**document)
+            if task.step not in aside:
+                tasks.append(task)
     return tasks
 
 
@@ -279,13 +301,18 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
         size, crc = _seal_reading_back(temp, task)
         try:
             contents = describing.result()
-        except OSError as exc:  # h5py's: the burst buffer's file is not a node file
+        except (OSError, KeyError, ValueError, TypeError, IntegrityError) as exc:
             temp.unlink(missing_ok=True)
-            raise DamagedNodeFile(
-                f"the node file cannot be read as a checkpoint: {exc}",
+            now = files.read_json(bb_record_path)
+            if now is None or not task.is_save_of(now) or not task.source.exists():
+                return None  # saved again or dropped meanwhile: not this save's file
+            if isinstance(exc, OSError) and exc.errno is not None:
+                raise  # an I/O error of the device: tried again
+            raise DamagedNodeFile(  # h5py's errno-less errors, missing or bad attributes
+                f"the node file cannot be read as a checkpoint: {exc!r}",
                 path=task.source,
-                hint="it is damaged: this checkpoint cannot be drained (its task is set "
-                "aside in the journal; later ones are drained), a restore passes over it",
+                hint="it is damaged: this save cannot be drained (it is set aside; later "
+                "ones are drained); a restore passes over it",
             ) from None
     if size != result.nbytes or crc != result.crc32c:
         raise IntegrityError(
@@ -523,9 +550,12 @@ def trim_bb(
     if not surplus:
         return 0
     queued = {t.step for t in pending(journal)}  # read after the listing
+    aside = set_aside(journal)  # damaged: kept for the admin, and not waited for
     committed = committed_steps(pfs_ckpt_dir)
     left = 0
     for step in surplus:
+        if step in aside:
+            continue
         step_dir = bb_ckpt_dir / layout.step_dirname(step)
         try:
             record = files.read_json(step_dir / layout.node_record_name(node)) or {}
@@ -617,6 +647,7 @@ def _process(journal: Path, task: Task, commits: _Commits) -> bool:
     """
     if copy_node_file(task) is None:
         return False
+    set_aside_path(journal, task.step).unlink(missing_ok=True)  # of an earlier save, if any
     committed = try_commit(Path(task.pfs_step_dir), task.nodes)
     commits.settle(task, committed)
     _remove_task(journal, task)
@@ -661,7 +692,7 @@ class _Commits:
         self.awaiting: dict[int, Task] = {}
         self.committed: list[int] = []
         self.failures: dict[tuple[int, float | None], _Failure] = {}
-        self.damaged: dict[int, str] = {}  # step -> why its task was set aside
+        self.damaged_elsewhere: dict[int, dict[str, Any]] = {}  # awaited, set aside by a node
         self.since = self.next_look = 0.0
 
     def report(self, **status: Any) -> None:
@@ -670,18 +701,20 @@ class _Commits:
         damaged (with why) and the commits."""
         latest = max(self.failures.values(), key=lambda f: f.retry_at - f.backoff, default=None)
         trouble = {"error": latest.message, "retries": latest.count} if latest else {}
+        damaged = {**self.damaged_elsewhere, **set_aside(self.journal)}
         _write_status(
             self.journal,
             awaiting=sorted(self.awaiting),
             committed=self.committed,
             failing=sorted({step for step, _ in self.failures}),
-            damaged={str(step): why for step, why in sorted(self.damaged.items())},
+            damaged={str(step): damaged[step] for step in sorted(damaged)},
             **{"state": "idle", "error": None, "retries": 0, **trouble, **status},
         )
 
     def settle(self, task: Task, done: bool) -> None:
         """``task`` is drained: its step is committed (``done``) or awaits other nodes."""
         self._forget(task.step)
+        self.damaged_elsewhere.pop(task.step, None)  # of an earlier save of the step
         if done:
             self._add(task.step)
         else:
@@ -697,6 +730,12 @@ class _Commits:
         for step in seen:
             self._forget(step)
             self._add(step)
+        for step, task in list(self.awaiting.items()):
+            marker = _set_aside_elsewhere(task)
+            if marker is not None:  # another node's file of this save is damaged
+                self._forget(step)
+                self.damaged_elsewhere[step] = marker
+                seen.append(step)
         if seen:
             self.since = now
             self.report()
@@ -721,6 +760,39 @@ class _Commits:
     def _add(self, step: int) -> None:
         self.committed.append(step)
         del self.committed[:-RECENT_COMMITS]
+
+
+def damaged_latest_save(step_dir: Path, queued: dict | None) -> dict | None:
+    """A node's marker that the latest save in the PFS ``step_dir`` is damaged, if there
+    is one (not for an earlier save: a later one queued here, ``queued``, or recorded
+    there is newer).  Not collective."""
+    markers = []
+    for path in step_dir.glob("node-*.damaged.json"):
+        with contextlib.suppress(BBIOError):
+            markers.append(files.read_json(path) or {})
+    if not markers:
+        return None
+    marker = max(markers, key=lambda m: m.get("time") or 0.0)
+    newer = [queued.get("save_time")] if queued else []
+    for node in layout.nodes_in(step_dir):
+        with contextlib.suppress(BBIOError):
+            newer.append(
+                (files.read_json(step_dir / layout.node_record_name(node)) or {}).get("time")
+            )
+    if any(t is not None and t > (marker.get("time") or 0.0) for t in newer):
+        return None
+    return marker
+
+
+def _set_aside_elsewhere(task: Task) -> dict[str, Any] | None:
+    """The marker of another node that set ``task``'s save aside (its file is damaged),
+    if any.  Not collective."""
+    for marker in Path(task.pfs_step_dir).glob("node-*.damaged.json"):
+        with contextlib.suppress(BBIOError):
+            document = files.read_json(marker) or {}
+            if document.get("time") == task.save_time and document.get("node") != task.node:
+                return document
+    return None
 
 
 def _is_committed(task: Task) -> bool:
@@ -823,7 +895,7 @@ def _drain(
                 with contextlib.suppress(BBIOError):  # no save will come to reuse them
                     drop_spares(journal.parent)
                 commits.report(state=STOPPED)
-                return 1 if finish and commits.damaged else 0
+                return 1 if finish and set_aside(journal) else 0
             waker.pause(min(POLL_SECONDS, max(commits.until_next_look(), 0.001)))
             continue
         now = time.monotonic()
@@ -837,7 +909,6 @@ def _drain(
             continue
         task = ready[0]
         failure = failures.pop(_task_key(task), None)
-        commits.damaged.pop(task.step, None)  # a new save of a step set aside
         try:
             retrying = {"retries": failure.count, "error": failure.message} if failure else {}
             commits.report(state="copying", step=task.step, **retrying)
@@ -845,8 +916,7 @@ def _drain(
             trimmed_at = time.monotonic()
             commits.restart_looking()
         except DamagedNodeFile as exc:  # never drainable: set aside, not retried
-            _set_aside(journal, task)
-            commits.damaged[task.step] = str(exc)
+            _set_aside(journal, task, str(exc))
             commits.report(state="idle")
             print(f"bbio drain: {exc} (set aside, not retried)", file=sys.stderr)
         except Exception as exc:  # the drain outlives any one failure, and says why
@@ -862,12 +932,14 @@ def _drain(
             return 1
 
 
-def _set_aside(journal: Path, task: Task) -> None:
-    """Move ``task``'s journal entry to its set-aside name, unless a newer save replaced it."""
-    path = task_path(journal, task.step)
-    if task.is_save_of(files.read_json(path)):
-        os.replace(path, set_aside_path(journal, task.step))
-        files.fsync_dirs([journal])
+def _set_aside(journal: Path, task: Task, why: str) -> None:
+    """Set ``task``'s save aside: a marker beside its task (which a new save of the step
+    replaces, and the marker then no longer matches), and one on the PFS for the other
+    nodes' drains (best effort: the PFS may be what fails)."""
+    marker = {"time": task.save_time, "why": why, "node": task.node}
+    files.write_json_atomic(set_aside_path(journal, task.step), marker)
+    with contextlib.suppress(OSError, BBIOError):
+        files.write_json_atomic(damaged_on_pfs(Path(task.pfs_step_dir), task.node), marker)
 
 
 def _task_key(task: Task) -> tuple[int, float | None]:
