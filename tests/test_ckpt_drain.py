@@ -481,3 +481,43 @@ def test_a_running_drain_tells_its_ranks_that_another_nodes_file_is_damaged(tmp_
     finally:
         (j1 / drain.STOP).write_text("{}")
         background.join(timeout=60)
+
+
+def test_a_damaged_record_keeps_its_copy_and_does_not_stop_trimming(tmp_path):
+    bb, pfs = tmp_path / "bb" / "ckpt" / "run", tmp_path / "pfs" / "ckpt" / "run"
+    journal = drain.journal_dir(bb)
+    journal.mkdir(parents=True)
+    _drained_copies(bb, pfs, {1: None, 2: None, 3: None})
+    (bb / layout.step_dirname(1) / layout.node_record_name(0)).write_text("{garbage")
+    assert drain.trim_bb(bb, 0, 1, pfs, journal, recycle=False) == 1  # step 1 kept
+    assert sorted(p.name for p in bb.glob("step-*")) == [
+        layout.step_dirname(1),
+        layout.step_dirname(3),
+    ]
+
+
+def _brute_overlap(boxes):
+    cells = {}
+    for i, (start, shape) in enumerate(boxes):
+        for cell in np.ndindex(*shape):
+            cells.setdefault(tuple(s + c for s, c in zip(start, cell, strict=True)), set()).add(
+                boxes[i]
+            )
+    return any(len(held) > 1 for held in cells.values())
+
+
+@pytest.mark.parametrize("ndim", [1, 2, 3])
+def test_the_overlap_sweep_agrees_with_brute_force(ndim):
+    rng = np.random.default_rng(ndim)
+    for _ in range(300):
+        boxes = []
+        for _ in range(int(rng.integers(1, 7))):
+            start = tuple(int(x) for x in rng.integers(0, 5, ndim))
+            shape = tuple(int(x) for x in rng.integers(0, 3, ndim))
+            boxes.extend([(start, shape)] * int(rng.integers(1, 3)))  # replicas too
+        pair = layout.first_overlap(boxes)
+        assert (pair is not None) == _brute_overlap(boxes), boxes
+        if pair is not None:
+            i, j = pair
+            assert i < j and boxes[i] != boxes[j]
+            assert layout.intersect(boxes[i], boxes[j]) is not None
