@@ -99,8 +99,8 @@ class SaveHandle:
 
         The error says which nodes' files are not on the PFS yet and what this
         node's drain last reported.  Raises :class:`IntegrityError` at once when
-        this node's drain has set the save aside (its burst-buffer file is
-        damaged: it will never be committed).
+        any node's drain has set the save aside (that node's burst-buffer file
+        is damaged: it will never be committed).
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.005  # then longer, up to MAX_WAIT_POLL_SECONDS
@@ -220,9 +220,10 @@ class Checkpointer:
         :class:`bbio.Shard` slices of global arrays.  Returns once the node's
         file is closed and fsynced in the burst buffer (or, if that is full,
         once the checkpoint is committed on the PFS).  ``attrs`` must be JSON.
-        ``step`` is a non-negative integer (NumPy's too), above every step of
-        this checkpointer on the PFS or saved since, or one of them again:
-        restore and retention order checkpoints by step.
+        ``step`` is a non-negative integer (NumPy's too), not below a step of
+        this checkpointer committed on the PFS, queued for a drain, or saved
+        since (it may be one of them again): restore and retention order
+        checkpoints by step.
         """
         self._check_open()
         comm = self.comm

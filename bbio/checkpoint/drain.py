@@ -34,9 +34,11 @@ other nodes' commits; the PFS is read only when copies are over the limit).
 A task that fails is retried with exponential backoff while the tasks after
 it go on, and the failure is reported in ``status.json`` until the task
 succeeds or leaves.  A node file that is not a checkpoint file (damaged in the
-burst buffer) can never be drained: its task is set aside as
-``damaged-<step>.json`` and reported (``damaged``), not retried, so it holds
-back neither later checkpoints nor ``close`` nor a backpressure policy.
+burst buffer) can never be drained: its save is set aside by a marker beside
+its task, ``damaged-<step>.json``, and one on the PFS for the other nodes'
+drains, ``node-<n>.damaged.json``; it is reported (``damaged``) and not
+retried, so it holds back neither later checkpoints nor ``close`` nor a
+backpressure policy.
 """
 
 from __future__ import annotations
