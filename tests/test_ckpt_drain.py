@@ -426,7 +426,8 @@ def test_a_damaged_burst_buffer_file_is_set_aside_not_retried(tmp_path):
     started = time.monotonic()
     assert drain.run(j0, None, finish=True, timeout=60) == 1  # at once: nothing to retry
     assert time.monotonic() - started < 30
-    assert drain.run(j1, None, finish=True, timeout=60) == 0
+    assert drain.run(j1, None, finish=True, timeout=60) == 1  # node 1 sets step 7 aside too
+    assert not (tmp_path / "pfs" / layout.step_dirname(7) / layout.node_filename(1)).exists()
     pfs = tmp_path / "pfs"
     assert drain.read_manifest(pfs / layout.step_dirname(8))["time"] == 2.5
     assert drain.read_manifest(pfs / layout.step_dirname(7)) is None
@@ -434,7 +435,7 @@ def test_a_damaged_burst_buffer_file_is_set_aside_not_retried(tmp_path):
     status = drain.read_status(j0)
     assert list(status["damaged"]) == ["7"] and str(damaged) in status["damaged"]["7"]["why"]
     assert drain.pending(j0) == [] and drain.set_aside_path(j0, 7).exists()
-    assert drain.damaged_on_pfs(pfs / layout.step_dirname(7), 0).exists()  # for other nodes
+    assert drain.damaged_save(pfs / layout.step_dirname(7), 1.5)["node"] == 0  # for the others
     assert drain.run(j0, None, finish=True, timeout=60) == 1  # a later drain still says so
     assert list(drain.read_status(j0)["damaged"]) == ["7"]
     two_node_save(tmp_path / "bb", 7, 3.5)  # saved again: the new save is drained
@@ -442,6 +443,11 @@ def test_a_damaged_burst_buffer_file_is_set_aside_not_retried(tmp_path):
     assert drain.run(j1, None, finish=True, timeout=60) == 0
     assert drain.read_manifest(pfs / layout.step_dirname(7))["time"] == 3.5
     assert not drain.set_aside_path(j0, 7).exists()
+    assert drain.read_damaged(pfs / layout.step_dirname(7)) is None  # the earlier save's
+    from bbio.checkpoint.checkpointer import SaveHandle
+
+    for journal in (j0, j1):  # the new save's handles do not raise
+        SaveHandle("run", 7, pfs / layout.step_dirname(7), journal, 2, save_time=3.5).wait(10)
 
 
 def test_waiting_for_a_save_set_aside_as_damaged_fails_at_once_on_every_node(tmp_path):
@@ -451,10 +457,10 @@ def test_waiting_for_a_save_set_aside_as_damaged_fails_at_once_on_every_node(tmp
     damaged = tmp_path / "bb" / "0" / layout.CKPT_DIR / "run" / "step-00000007" / "node-00000.h5"
     damaged.write_bytes(b"not an HDF5 file" * 100)
     assert drain.run(j0, None, finish=True, timeout=60) == 1
-    assert drain.run(j1, None, finish=True, timeout=60) == 0  # node 1's file is fine
+    assert drain.run(j1, None, finish=True, timeout=60) == 1  # from node 0's marker on the PFS
     step_dir = tmp_path / "pfs" / layout.step_dirname(7)
-    for journal in (j0, j1):  # node 1 learns it from node 0's marker on the PFS
-        handle = SaveHandle("run", 7, step_dir, journal, 2)
+    for journal in (j0, j1):
+        handle = SaveHandle("run", 7, step_dir, journal, 2, save_time=1.5)
         started = time.monotonic()
         with pytest.raises(IntegrityError, match="step 7 will not be committed: node 0's file"):
             handle.wait(timeout=60)
@@ -474,7 +480,9 @@ def test_a_running_drain_tells_its_ranks_that_another_nodes_file_is_damaged(tmp_
         while drain.read_status(j1).get("awaiting") != [7] and time.monotonic() < deadline:
             time.sleep(0.02)
         assert drain.run(j0, None, finish=True, timeout=60) == 1
-        handle = SaveHandle("run", 7, tmp_path / "pfs" / layout.step_dirname(7), j1, 2)
+        handle = SaveHandle(
+            "run", 7, tmp_path / "pfs" / layout.step_dirname(7), j1, 2, save_time=1.5
+        )
         with pytest.raises(IntegrityError, match="node 0's file is damaged"):
             handle.wait(timeout=60)
         assert drain.read_status(j1)["awaiting"] == []  # it no longer looks for that commit

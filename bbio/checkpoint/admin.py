@@ -195,8 +195,9 @@ def wait_committed(
     queued_here = drain.task_path(drain.journal_dir(bb_root / layout.CKPT_DIR / name), step)
     deadline = None if timeout is None else time.monotonic() + timeout
     while not drain.committed_save(step_dir):
-        damaged = drain.damaged_latest_save(step_dir, files.read_json(queued_here))
-        if damaged is not None:
+        queued = files.read_json(queued_here)
+        damaged = drain.read_damaged(step_dir)
+        if damaged is not None and (queued is None or queued.get("save_time") == damaged["time"]):
             raise IntegrityError(
                 f"checkpoint {name} step {step} will not be committed: node "
                 f"{damaged.get('node')}'s file is damaged: {damaged.get('why')}",

@@ -58,6 +58,7 @@ class SaveHandle:
     nodes: int
     skipped: bool = False
     direct: bool = False  # written straight to the PFS (the burst buffer was full)
+    save_time: float | None = None  # which save of the step: its "time" attribute
 
     def done(self) -> bool:
         """True once the checkpoint is committed on the PFS (or was skipped).
@@ -77,16 +78,15 @@ class SaveHandle:
     def _raise_if_set_aside(self) -> None:
         """Raise if a node's drain set this save aside (this node's, or another's seen on
         the PFS by this node's drain); not for a later save of the step."""
-        if self.skipped or self.direct:
+        if self.skipped or self.direct or self.save_time is None:
             return
         entry = drain.read_status(self.journal).get("damaged", {}).get(str(self.step))
-        queued = files.read_json(drain.task_path(self.journal, self.step))
-        if entry is None and drain.step_committed(self.journal, self.step) is None:
-            entry = drain.damaged_latest_save(self.pfs_step_dir, queued)  # no drain to tell
+        if not (isinstance(entry, dict) and entry.get("time") == self.save_time):
+            entry = None  # of another save of the step, or none
+            if drain.step_committed(self.journal, self.step) is None:  # no drain to tell
+                entry = drain.damaged_save(self.pfs_step_dir, self.save_time)
         if entry is None:
             return
-        if queued is not None and queued.get("save_time") != entry.get("time"):
-            return  # saved again since
         raise IntegrityError(
             f"checkpoint {self.name} step {self.step} will not be committed: node "
             f"{entry.get('node')}'s file is damaged: {entry.get('why')}",
@@ -201,7 +201,7 @@ class Checkpointer:
                 self.journal.mkdir(parents=True, exist_ok=True)
                 (self.journal / drain.STOP).unlink(missing_ok=True)
                 drain.set_target(self.journal, self.pfs_dir, self.nodes, keep_pfs)
-                queued = [task.step for task in drain.pending(self.journal)]
+                queued = [t.step for t in drain.pending(self.journal) if t.source.exists()]
             if self.rank == 0:
                 pfs_steps = drain.steps_in(self.pfs_dir), drain.committed_steps(self.pfs_dir)
         present, committed = self.comm.bcast(pfs_steps, root=0)
@@ -279,7 +279,12 @@ class Checkpointer:
             self._drop_unused_bb_step_dir(step)
             raise
         handle = SaveHandle(
-            self.name, step, self.pfs_dir / layout.step_dirname(step), self.journal, self.nodes
+            self.name,
+            step,
+            self.pfs_dir / layout.step_dirname(step),
+            self.journal,
+            self.nodes,
+            save_time=when,
         )
         if self._wait_for_room(handle):
             self._drop_unused_bb_step_dir(step)
@@ -390,12 +395,14 @@ class Checkpointer:
                     step_dir.rmdir()
 
     def _drop_copies(self, step: int, step_dir: Path) -> None:
-        """Rank 0 uncommits ``step`` on the PFS (manifest, then every node's record); each
+        """Rank 0 uncommits ``step`` on the PFS (manifest, a damaged save's marker, then every
+        node's record); each
         node leader drops its queued task and its node's record, file and temporary file
         in ``step_dir``."""
         if self.rank == 0:
             pfs_step = self.pfs_dir / layout.step_dirname(step)
             drain.manifest_path(pfs_step).unlink(missing_ok=True)
+            drain.damaged_on_pfs(pfs_step).unlink(missing_ok=True)
             for n in range(self.nodes):
                 (pfs_step / layout.node_record_name(n)).unlink(missing_ok=True)
         if self.topo.is_leader:
@@ -489,7 +496,8 @@ class Checkpointer:
                 path=self.pfs_dir / layout.step_dirname(later[-1]),
                 hint=f"save steps after {later[-1]}; to go back to step {step} for good, "
                 f"remove the later steps' directories ({len(later)}) on the PFS and in the "
-                "burst buffers first, or use another checkpoint name",
+                "burst buffers (and their task-<step>.json in the burst buffers' "
+                "ckpt/<name>/.journal) first, or use another checkpoint name",
             )
 
     def _wait_for_room(self, handle: SaveHandle) -> bool:

@@ -128,9 +128,28 @@ def set_aside_path(journal: Path, step: int) -> Path:
     return journal / f"damaged-{step:08d}.json"
 
 
-def damaged_on_pfs(pfs_step_dir: Path, node: int) -> Path:
-    """The marker by which a node tells the other nodes that its file of a save is damaged."""
-    return pfs_step_dir / f"node-{node:05d}.damaged.json"
+def damaged_on_pfs(pfs_step_dir: Path) -> Path:
+    """The marker by which a node tells the others that its file of the step's latest save
+    is damaged: one name per step, so that a look is one open, like the manifest's."""
+    return pfs_step_dir / "damaged.json"
+
+
+def read_damaged(pfs_step_dir: Path) -> dict[str, Any] | None:
+    """The PFS marker of a node that set the step's latest save aside, if any (a new save
+    of the step removes it).  Not collective; an unreadable marker or PFS counts as none
+    (looked at again)."""
+    try:
+        marker = files.read_json(damaged_on_pfs(pfs_step_dir))
+    except (OSError, BBIOError):
+        return None
+    return marker if isinstance(marker, dict) and "time" in marker else None
+
+
+def damaged_save(pfs_step_dir: Path, save_time: float | None) -> dict[str, Any] | None:
+    """The PFS marker of a node that set the save of time ``save_time`` aside, if any.
+    Not collective."""
+    marker = read_damaged(pfs_step_dir)
+    return marker if marker is not None and marker["time"] == save_time else None
 
 
 class DamagedNodeFile(IntegrityError):
@@ -647,9 +666,22 @@ def _process(journal: Path, task: Task, commits: _Commits) -> bool:
     journal, so that :func:`step_committed` always finds the step in one of
     them.  A task whose step was saved again meanwhile is left to its new task.
     """
+    bb_record = Path(task.bb_step_dir) / layout.node_record_name(task.node)
+    if not task.source.exists() and files.read_json(bb_record) is None:
+        gone = f"its burst-buffer copy is gone (no {task.source} nor its record)"
+        _set_aside(journal, task, gone)  # never drainable; said, not retried for ever
+        return False
+    elsewhere = damaged_save(Path(task.pfs_step_dir), task.save_time)
+    if elsewhere is not None:  # another node's file of this save is damaged: never commits
+        _set_aside(journal, task, str(elsewhere.get("why")), elsewhere.get("node"))
+        return False
     if copy_node_file(task) is None:
         return False
     set_aside_path(journal, task.step).unlink(missing_ok=True)  # of an earlier save, if any
+    with contextlib.suppress(OSError, BBIOError):  # a PFS marker of an earlier save
+        marker = files.read_json(damaged_on_pfs(Path(task.pfs_step_dir))) or {}
+        if marker and marker.get("time") != task.save_time:
+            damaged_on_pfs(Path(task.pfs_step_dir)).unlink(missing_ok=True)
     committed = try_commit(Path(task.pfs_step_dir), task.nodes)
     commits.settle(task, committed)
     _remove_task(journal, task)
@@ -733,7 +765,7 @@ class _Commits:
             self._forget(step)
             self._add(step)
         for step, task in list(self.awaiting.items()):
-            marker = _set_aside_elsewhere(task)
+            marker = damaged_save(Path(task.pfs_step_dir), task.save_time)
             if marker is not None:  # another node's file of this save is damaged
                 self._forget(step)
                 self.damaged_elsewhere[step] = marker
@@ -762,39 +794,6 @@ class _Commits:
     def _add(self, step: int) -> None:
         self.committed.append(step)
         del self.committed[:-RECENT_COMMITS]
-
-
-def damaged_latest_save(step_dir: Path, queued: dict | None) -> dict | None:
-    """A node's marker that the latest save in the PFS ``step_dir`` is damaged, if there
-    is one (not for an earlier save: a later one queued here, ``queued``, or recorded
-    there is newer).  Not collective."""
-    markers = []
-    for path in step_dir.glob("node-*.damaged.json"):
-        with contextlib.suppress(BBIOError):
-            markers.append(files.read_json(path) or {})
-    if not markers:
-        return None
-    marker = max(markers, key=lambda m: m.get("time") or 0.0)
-    newer = [queued.get("save_time")] if queued else []
-    for node in layout.nodes_in(step_dir):
-        with contextlib.suppress(BBIOError):
-            newer.append(
-                (files.read_json(step_dir / layout.node_record_name(node)) or {}).get("time")
-            )
-    if any(t is not None and t > (marker.get("time") or 0.0) for t in newer):
-        return None
-    return marker
-
-
-def _set_aside_elsewhere(task: Task) -> dict[str, Any] | None:
-    """The marker of another node that set ``task``'s save aside (its file is damaged),
-    if any.  Not collective."""
-    for marker in Path(task.pfs_step_dir).glob("node-*.damaged.json"):
-        with contextlib.suppress(BBIOError):
-            document = files.read_json(marker) or {}
-            if document.get("time") == task.save_time and document.get("node") != task.node:
-                return document
-    return None
 
 
 def _is_committed(task: Task) -> bool:
@@ -897,7 +896,12 @@ def _drain(
                 with contextlib.suppress(BBIOError):  # no save will come to reuse them
                     drop_spares(journal.parent)
                 commits.report(state=STOPPED)
-                return 1 if finish and set_aside(journal) else 0
+                aside = set_aside(journal) if finish else {}
+                for step, marker in sorted(aside.items()):
+                    print(
+                        f"bbio drain: step {step} set aside: {marker.get('why')}", file=sys.stderr
+                    )
+                return 1 if aside else 0
             waker.pause(min(POLL_SECONDS, max(commits.until_next_look(), 0.001)))
             continue
         now = time.monotonic()
@@ -934,14 +938,18 @@ def _drain(
             return 1
 
 
-def _set_aside(journal: Path, task: Task, why: str) -> None:
-    """Set ``task``'s save aside: a marker beside its task (which a new save of the step
-    replaces, and the marker then no longer matches), and one on the PFS for the other
-    nodes' drains (best effort: the PFS may be what fails)."""
-    marker = {"time": task.save_time, "why": why, "node": task.node}
+def _set_aside(journal: Path, task: Task, why: str, node: int | None = None) -> None:
+    """Set ``task``'s save aside because ``node``'s file of it (default: this node's) is
+    damaged: a marker beside its task (which a new save of the step replaces, and the
+    marker then no longer matches), and, unless there is one, one on the PFS for the
+    other nodes' drains (best effort: the PFS may be what fails)."""
+    marker = {"time": task.save_time, "why": why, "node": task.node if node is None else node}
     files.write_json_atomic(set_aside_path(journal, task.step), marker)
+    if damaged_save(Path(task.pfs_step_dir), task.save_time) is not None:
+        return  # the other nodes know
     with contextlib.suppress(OSError, BBIOError):
-        files.write_json_atomic(damaged_on_pfs(Path(task.pfs_step_dir), task.node), marker)
+        Path(task.pfs_step_dir).mkdir(parents=True, exist_ok=True)
+        files.write_json_atomic(damaged_on_pfs(Path(task.pfs_step_dir)), marker)
 
 
 def _task_key(task: Task) -> tuple[int, float | None]:
