@@ -204,3 +204,26 @@ def test_a_rank_with_nothing_to_save_does_not_keep_the_checkpoint_from_committin
         assert step == 1 and arrays == {}
         step, arrays, _ = ckpt.restore(from_rank=0)
         assert same(arrays, state(1, 0))
+
+
+@pytest.mark.timeout(120)  # before the fix: the save under "block" waited for ever
+def test_a_task_an_earlier_job_left_without_its_copy_blocks_nothing(comm, shared_tmp):
+    from bbio.checkpoint import drain, layout
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    config = config_for(comm, shared_tmp)
+    node = rank // (size // 2)
+    if rank % (size // 2) == 0:  # each node's journal holds step 3, its copy gone
+        bb_dir = shared_tmp / "bb" / str(node) / layout.CKPT_DIR / "stale"
+        journal = drain.journal_dir(bb_dir)
+        journal.mkdir(parents=True)
+        step = layout.step_dirname(3)
+        pfs_step = shared_tmp / "pfs" / layout.CKPT_DIR / "stale" / step
+        drain.add_task(
+            journal, drain.Task("stale", 3, node, 2, str(bb_dir / step), str(pfs_step), 5)
+        )
+    comm.Barrier()
+    with bbio.Checkpointer(comm, "stale", backpressure="block", config=config) as ckpt:
+        ckpt.save(2, state(2, rank)).wait(timeout=60)  # below 3: that step does not count
+        step, arrays, _ = ckpt.restore()
+        assert step == 2 and same(arrays, state(2, rank))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -443,7 +444,7 @@ def test_a_damaged_burst_buffer_file_is_set_aside_not_retried(tmp_path):
     assert drain.run(j1, None, finish=True, timeout=60) == 0
     assert drain.read_manifest(pfs / layout.step_dirname(7))["time"] == 3.5
     assert not drain.set_aside_path(j0, 7).exists()
-    assert drain.read_damaged(pfs / layout.step_dirname(7)) is None  # the earlier save's
+    assert drain.damaged_save(pfs / layout.step_dirname(7), 3.5) is None  # 1.5's stays apart
     from bbio.checkpoint.checkpointer import SaveHandle
 
     for journal in (j0, j1):  # the new save's handles do not raise
@@ -529,3 +530,19 @@ def test_the_overlap_sweep_agrees_with_brute_force(ndim):
             i, j = pair
             assert i < j and boxes[i] != boxes[j]
             assert layout.intersect(boxes[i], boxes[j]) is not None
+
+
+def test_a_task_without_its_copy_is_set_aside_unless_its_save_is_committed(tmp_path):
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    task = drain.pending(j0)[0]
+    assert drain.run(j0, None, finish=True, timeout=60) == 0
+    assert drain.run(j1, None, finish=True, timeout=60) == 0  # committed
+    drain.add_task(j0, task)  # as if a crash came between the commit and the task's removal
+    shutil.rmtree(tmp_path / "bb" / "0" / layout.CKPT_DIR / "run" / "step-00000007")
+    assert drain.run(j0, None, finish=True, timeout=60) == 0  # committed: the task just goes
+    assert drain.pending(j0) == [] and not drain.set_aside_path(j0, 7).exists()
+    two_node_save(tmp_path / "bb", 8, 2.5)
+    shutil.rmtree(tmp_path / "bb" / "0" / layout.CKPT_DIR / "run" / "step-00000008")
+    result = drain.run(j0, None, finish=True, timeout=60)
+    assert result == 1 and drain.pending(j0) == []  # never drainable: set aside, said
+    assert "burst-buffer copy is gone" in drain.read_status(j0)["damaged"]["8"]["why"]

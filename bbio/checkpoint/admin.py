@@ -195,9 +195,8 @@ def wait_committed(
     queued_here = drain.task_path(drain.journal_dir(bb_root / layout.CKPT_DIR / name), step)
     deadline = None if timeout is None else time.monotonic() + timeout
     while not drain.committed_save(step_dir):
-        queued = files.read_json(queued_here)
         damaged = drain.read_damaged(step_dir)
-        if damaged is not None and (queued is None or queued.get("save_time") == damaged["time"]):
+        if damaged is not None and _of_the_latest_save(damaged["time"], step_dir, queued_here):
             raise IntegrityError(
                 f"checkpoint {name} step {step} will not be committed: node "
                 f"{damaged.get('node')}'s file is damaged: {damaged.get('why')}",
@@ -220,6 +219,15 @@ def wait_committed(
                 hint="is a drain running? 'bbio ckpt drain --finish' runs one",
             )
         time.sleep(0.1)
+
+
+def _of_the_latest_save(save_time: float | None, step_dir: Path, queued_here: Path) -> bool:
+    """Is ``save_time`` the step's latest save: no other save queued on this node, nor
+    recorded on the PFS?  Not collective."""
+    times = {(files.read_json(queued_here) or {}).get("save_time", save_time)}
+    for node in layout.nodes_in(step_dir):
+        times.add((files.read_json(step_dir / layout.node_record_name(node)) or {}).get("time"))
+    return times <= {save_time, None}
 
 
 def newest_local_step(bb_root: Path, name: str, node: int | None = None) -> int:

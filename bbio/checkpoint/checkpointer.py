@@ -201,7 +201,10 @@ class Checkpointer:
                 self.journal.mkdir(parents=True, exist_ok=True)
                 (self.journal / drain.STOP).unlink(missing_ok=True)
                 drain.set_target(self.journal, self.pfs_dir, self.nodes, keep_pfs)
-                queued = [t.step for t in drain.pending(self.journal) if t.source.exists()]
+                left = drain.pending(self.journal)
+                queued = [t.step for t in left if t.source.exists()]
+                if left:  # an earlier job's queue: drained (or set aside) before any wait
+                    self._start_drain()
             if self.rank == 0:
                 pfs_steps = drain.steps_in(self.pfs_dir), drain.committed_steps(self.pfs_dir)
         present, committed = self.comm.bcast(pfs_steps, root=0)

@@ -36,7 +36,7 @@ it go on, and the failure is reported in ``status.json`` until the task
 succeeds or leaves.  A node file that is not a checkpoint file (damaged in the
 burst buffer) can never be drained: its save is set aside by a marker beside
 its task, ``damaged-<step>.json``, and one on the PFS for the other nodes'
-drains, ``node-<n>.damaged.json``; it is reported (``damaged``) and not
+drains, ``damaged.json`` in the step's directory; it is reported (``damaged``) and not
 retried, so it holds back neither later checkpoints nor ``close`` nor a
 backpressure policy.
 """
@@ -342,7 +342,8 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
             path=temp,
             hint="the PFS may be failing; the drain will copy it again",
         )
-    if not task.is_save_of(contents) or not task.is_save_of(files.read_json(bb_record_path)):
+    now = files.read_json(bb_record_path)
+    if not task.is_save_of(contents) or now is None or not task.is_save_of(now):
         return None  # saved again during the copy: never renamed over the new save's file
     files.commit([], sealed=[task.target])
     record = {"size": size, "crc32c": crc, "node": task.node, "time": contents["time"]}
@@ -668,6 +669,9 @@ def _process(journal: Path, task: Task, commits: _Commits) -> bool:
     """
     bb_record = Path(task.bb_step_dir) / layout.node_record_name(task.node)
     if not task.source.exists() and files.read_json(bb_record) is None:
+        if committed_save(Path(task.pfs_step_dir), task.save_time):
+            _remove_task(journal, task)  # drained and committed before a crash: done
+            return False
         gone = f"its burst-buffer copy is gone (no {task.source} nor its record)"
         _set_aside(journal, task, gone)  # never drainable; said, not retried for ever
         return False
@@ -678,10 +682,6 @@ def _process(journal: Path, task: Task, commits: _Commits) -> bool:
     if copy_node_file(task) is None:
         return False
     set_aside_path(journal, task.step).unlink(missing_ok=True)  # of an earlier save, if any
-    with contextlib.suppress(OSError, BBIOError):  # a PFS marker of an earlier save
-        marker = files.read_json(damaged_on_pfs(Path(task.pfs_step_dir))) or {}
-        if marker and marker.get("time") != task.save_time:
-            damaged_on_pfs(Path(task.pfs_step_dir)).unlink(missing_ok=True)
     committed = try_commit(Path(task.pfs_step_dir), task.nodes)
     commits.settle(task, committed)
     _remove_task(journal, task)
@@ -947,9 +947,9 @@ def _set_aside(journal: Path, task: Task, why: str, node: int | None = None) -> 
     files.write_json_atomic(set_aside_path(journal, task.step), marker)
     if damaged_save(Path(task.pfs_step_dir), task.save_time) is not None:
         return  # the other nodes know
-    with contextlib.suppress(OSError, BBIOError):
-        Path(task.pfs_step_dir).mkdir(parents=True, exist_ok=True)
-        files.write_json_atomic(damaged_on_pfs(Path(task.pfs_step_dir)), marker)
+    with contextlib.suppress(OSError, BBIOError):  # not into a directory retention removed
+        if Path(task.pfs_step_dir).is_dir():
+            files.write_json_atomic(damaged_on_pfs(Path(task.pfs_step_dir)), marker)
 
 
 def _task_key(task: Task) -> tuple[int, float | None]:
