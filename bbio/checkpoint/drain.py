@@ -256,7 +256,7 @@ def commit_ready(journal: Path) -> list[int]:
     if ckpt_dir.is_dir():
         for entry in sorted(ckpt_dir.iterdir()):
             step = layout.parse_step(entry.name)
-            uncommitted = step is not None and not committed_save(entry, None)
+            uncommitted = step is not None and not committed_save(entry)
             if uncommitted and try_commit(entry, target["nodes"]):
                 apply_pfs_retention(ckpt_dir, target["keep_pfs"])
                 done.append(step)
@@ -505,7 +505,7 @@ def committed_steps(ckpt_dir: Path) -> list[int]:
     if ckpt_dir.is_dir():
         for entry in ckpt_dir.iterdir():
             step = layout.parse_step(entry.name)
-            if step is not None and committed_save(entry, None):
+            if step is not None and committed_save(entry):
                 steps.append(step)
     return sorted(steps)
 

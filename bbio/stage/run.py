@@ -473,6 +473,24 @@ def _commit_symlinks(dst_root: Path, links: Iterable[Entry]) -> int:
     return count
 
 
+def _previous_manifest(
+    comm, sharers, root: Path, changing: Sequence[Entry], what: str
+) -> Manifest | None:
+    """Collective over ``comm``: the previous manifest of ``root``, read by the first rank
+    of ``sharers`` (the ranks that share ``root``) and handed to the others; before any
+    of ``changing`` is copied, that rank commits it without their entries and no longer
+    ``complete`` (:func:`files.withdraw_entries`)."""
+    old = None
+    with agreed(comm, f"{what}: reading the previous manifest"):
+        if sharers.Get_rank() == 0:
+            old = files.read_manifest(root)
+    old = sharers.bcast(old, root=0)
+    with agreed(comm, f"{what}: withdrawing what will change from the previous manifest"):
+        if sharers.Get_rank() == 0 and old is not None and changing:
+            files.withdraw_entries(root, old, [e.path for e in changing])
+    return old
+
+
 def _crcs_of_unchanged(
     comm, root: Path, unchanged: Sequence[Entry], old: Manifest | None
 ) -> dict[str, int]:
@@ -683,12 +701,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     with agreed(comm, "stage-in: looking at the destination"):
         current = dest_state(topo.node_comm, dst_root, [e.path for e in mine])
     todo = plan.to_copy(mine, current)
-    old = None
-    with agreed(comm, "stage-in: reading the previous manifest"):
-        old = files.read_manifest(dst_root)
-    with agreed(comm, "stage-in: withdrawing what will change from the previous manifest"):
-        if topo.is_leader and old is not None and todo:
-            files.withdraw_entries(dst_root, old, [e.path for e in todo])
+    old = _previous_manifest(comm, topo.node_comm, dst_root, todo, "stage-in")
     with agreed(comm, "stage-in: removing what an interrupted run left"):
         remove_leftovers(topo.node_comm, dst_root, dirs)
     with agreed(comm, "stage-in: checking burst-buffer space"):
@@ -898,12 +911,7 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
         ],
         key=lambda s: s.path,
     )
-    old = None
-    with agreed(comm, "stage-out: reading the previous manifest"):
-        old = files.read_manifest(dst_root)
-    with agreed(comm, "stage-out: withdrawing what will change from the previous manifest"):
-        if comm.Get_rank() == 0 and old is not None and todo_all:
-            files.withdraw_entries(dst_root, old, [e.path for e in todo_all])
+    old = _previous_manifest(comm, comm, dst_root, todo_all, "stage-out")
     remove_leftovers(comm, dst_root, dirs)
     mine = [e for e in todo_all if chosen[e.path] == topo.node]
     with agreed(comm, "stage-out: checking space and creating directories"):
