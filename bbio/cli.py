@@ -197,7 +197,7 @@ def _cmd_ckpt_ls(args: argparse.Namespace) -> int:
     print(
         format_table(
             ["name", "step", "burst buffer (this node)", "PFS", "drain queue"],
-            [(r.name, r.step, r.bb, r.pfs, "queued" if r.queued else "-") for r in rows],
+            [(r.name, r.step, r.bb, r.pfs, r.queue) for r in rows],
         )
     )
     return 0

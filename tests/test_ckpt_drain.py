@@ -275,6 +275,32 @@ def test_an_idle_drain_wakes_up_when_a_task_is_added(tmp_path):
     assert time.monotonic() - start >= 0.25
 
 
+def test_a_waiting_process_is_told_of_each_status_and_each_task_that_leaves(tmp_path):
+    (journal,) = two_node_save(tmp_path / "bb", 7, 1.5)[:1]
+    waiters = journal / drain.WAITERS
+    waiter = drain.StatusWaiter(journal)
+    try:
+        assert waiter.notified and len(list(waiters.iterdir())) == 1
+        threading.Timer(0.2, drain._write_status, [journal], {"state": "idle"}).start()
+        start = time.monotonic()
+        waiter.pause(30)
+        assert time.monotonic() - start < 15
+        start = time.monotonic()
+        waiter.pause(0.3)  # told once: this pause lasts
+        assert time.monotonic() - start >= 0.25
+        (task,) = drain.pending(journal)
+        drain._remove_task(journal, task)  # the step may be done: it is not in the journal
+        start = time.monotonic()
+        waiter.pause(30)
+        assert time.monotonic() - start < 15
+    finally:
+        waiter.close()
+    assert list(waiters.iterdir()) == []
+    os.mkfifo(waiters / "12345-gone")  # a waiter that died: nobody reads it
+    drain._write_status(journal, state="idle")
+    assert list(waiters.iterdir()) == []
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs to unbind from one")
 def test_the_background_drain_does_not_keep_its_starters_cpu_binding():
     code = (
@@ -451,6 +477,47 @@ def test_a_damaged_burst_buffer_file_is_set_aside_not_retried(tmp_path):
         SaveHandle("run", 7, pfs / layout.step_dirname(7), journal, 2, save_time=3.5).wait(10)
 
 
+def test_ls_and_verify_name_a_save_set_aside_as_damaged_until_it_is_saved_again(tmp_path):
+    from bbio.checkpoint import admin
+
+    pfs_root, bb = tmp_path / "pfs", tmp_path / "bb"
+    j0, j1 = two_node_save(bb, 7, 1.5, pfs_root / layout.CKPT_DIR / "run")
+    damaged = bb / "0" / layout.CKPT_DIR / "run" / "step-00000007" / "node-00000.h5"
+    damaged.write_bytes(b"not an HDF5 file" * 100)
+    assert drain.run(j0, None, finish=True, timeout=60) == 1
+    assert drain.run(j1, None, finish=True, timeout=60) == 1
+    for node in (0, 1):
+        (row,) = admin.list_checkpoints(bb / str(node), pfs_root, node, "run")
+        assert (row.step, row.pfs, row.queue) == (7, "damaged node 0", "set aside")
+        with pytest.raises(IntegrityError, match="step 7 is never committed: node 0's") as err:
+            admin.verify(bb / str(node), pfs_root, node, "run")
+        assert (f"{damaged}: set aside by the drain" in str(err.value)) == (node == 0)
+    two_node_save(bb, 7, 3.5, pfs_root / layout.CKPT_DIR / "run")
+    assert drain.run(j0, None, finish=True, timeout=60) == 0
+    assert drain.run(j1, None, finish=True, timeout=60) == 0
+    for node in (0, 1):
+        (row,) = admin.list_checkpoints(bb / str(node), pfs_root, node, "run")
+        assert (row.pfs, row.queue) == ("committed", "-")
+        assert admin.verify(bb / str(node), pfs_root, node, "run") == 4  # 3 on the PFS, 1 here
+
+
+def test_a_marker_that_could_not_be_put_on_the_pfs_at_first_is_put_there_later(tmp_path):
+    from bbio.checkpoint.checkpointer import SaveHandle
+
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    shutil.rmtree(tmp_path / "bb" / "0" / layout.CKPT_DIR / "run" / "step-00000007")
+    step_dir = tmp_path / "pfs" / layout.step_dirname(7)
+    assert drain.run(j0, None, finish=True, timeout=60) == 1  # node 0's copy is gone
+    assert drain.set_aside_path(j0, 7).exists() and not step_dir.exists()  # nowhere to say so
+    assert drain.run(j1, None, finish=True, timeout=60) == 0  # node 1 copied, awaits node 0
+    assert drain.read_damaged(step_dir) is None
+    assert drain.run(j0, None, finish=True, timeout=60) == 1  # a later pass says so
+    assert drain.damaged_save(step_dir, 1.5)["node"] == 0
+    handle = SaveHandle("run", 7, step_dir, j1, 2, save_time=1.5)
+    with pytest.raises(IntegrityError, match="node 0's file is damaged"):
+        handle.wait(timeout=60)  # at once, not at the timeout
+
+
 def test_waiting_for_a_save_set_aside_as_damaged_fails_at_once_on_every_node(tmp_path):
     from bbio.checkpoint.checkpointer import SaveHandle
 
@@ -487,6 +554,28 @@ def test_a_running_drain_tells_its_ranks_that_another_nodes_file_is_damaged(tmp_
         with pytest.raises(IntegrityError, match="node 0's file is damaged"):
             handle.wait(timeout=60)
         assert drain.read_status(j1)["awaiting"] == []  # it no longer looks for that commit
+    finally:
+        (j1 / drain.STOP).write_text("{}")
+        background.join(timeout=60)
+
+
+def test_a_running_drain_that_finds_the_marker_before_copying_tells_its_ranks(tmp_path):
+    from bbio.checkpoint.checkpointer import SaveHandle
+
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    damaged = tmp_path / "bb" / "0" / layout.CKPT_DIR / "run" / "step-00000007" / "node-00000.h5"
+    damaged.write_bytes(b"not an HDF5 file" * 100)
+    assert drain.run(j0, None, finish=True, timeout=60) == 1  # node 0's marker on the PFS
+    background = threading.Thread(target=drain.run, args=(j1, os.getpid(), False, None))
+    background.start()  # node 1's drain, as a job runs it: sets its task aside, stays up
+    try:
+        handle = SaveHandle(
+            "run", 7, tmp_path / "pfs" / layout.step_dirname(7), j1, 2, save_time=1.5
+        )
+        started = time.monotonic()
+        with pytest.raises(IntegrityError, match="node 0's file is damaged"):
+            handle.wait(timeout=60)
+        assert time.monotonic() - started < 30
     finally:
         (j1 / drain.STOP).write_text("{}")
         background.join(timeout=60)

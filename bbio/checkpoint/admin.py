@@ -23,8 +23,8 @@ class Row:
     name: str
     step: int
     bb: str  # "complete", "-" (this node's copy)
-    pfs: str  # "committed", "draining", "-"
-    queued: bool  # waiting in this node's drain journal
+    pfs: str  # as in :func:`bbio.checkpoint.checkpointer.describe_pfs`, or "-"
+    queue: str  # this node's drain journal: "queued", "set aside" (damaged) or "-"
 
 
 def names(bb_root: Path, pfs_root: Path) -> list[str]:
@@ -76,15 +76,17 @@ def list_checkpoints(
         bb_dir, pfs_dir = bb_root / layout.CKPT_DIR / n, pfs_root / layout.CKPT_DIR / n
         local = reader.bb_copies(bb_dir, node)
         pfs = describe_pfs(pfs_dir)
-        queued = {t.step for t in drain.pending(drain.journal_dir(bb_dir))}
-        for step in sorted(set(local) | set(pfs) | queued):
+        journal = drain.journal_dir(bb_dir)
+        queue = {step: "set aside" for step in drain.set_aside(journal)}
+        queue.update((t.step, "queued") for t in drain.pending(journal))
+        for step in sorted(set(local) | set(pfs) | set(queue)):
             rows.append(
                 Row(
                     n,
                     step,
                     "complete" if step in local else "-",
                     pfs.get(step, "-"),
-                    step in queued,
+                    queue.get(step, "-"),
                 )
             )
     return rows
@@ -94,8 +96,10 @@ def verify(bb_root: Path, pfs_root: Path, node: int | None = None, name: str | N
     """Re-read every committed PFS checkpoint and this node's drained BB copies; count files.
 
     Not collective.  Raises :class:`IntegrityError` naming every file whose size
-    or CRC32C differs and every damaged manifest or BB record,
-    :class:`NotFoundError` when neither root exists or ``name`` is in neither.
+    or CRC32C differs, every damaged manifest or BB record, every step on the PFS
+    that a node's damaged file keeps from being committed, and this node's
+    damaged files that its drain set aside; :class:`NotFoundError` when neither
+    root exists or ``name`` is in neither.
     """
     problems, checked = [], 0
     for n in _names_to_look_at(bb_root, pfs_root, name):
@@ -106,6 +110,13 @@ def verify(bb_root: Path, pfs_root: Path, node: int | None = None, name: str | N
             except IntegrityError as exc:
                 problems.append(str(exc))
                 continue
+            damaged = None if manifest else drain.read_damaged(pfs_dir / layout.step_dirname(step))
+            if damaged is not None:
+                problems.append(
+                    f"{pfs_dir / layout.step_dirname(step)}: step {step} is never committed: "
+                    f"node {damaged.get('node')}'s file is damaged ({damaged.get('why')}); "
+                    "save the step again, or remove that step directory"
+                )
             for entry in manifest["files"] if manifest else []:
                 checked += 1
                 try:
@@ -118,6 +129,7 @@ def verify(bb_root: Path, pfs_root: Path, node: int | None = None, name: str | N
                     problems.append(str(exc))
         bb_dir = bb_root / layout.CKPT_DIR / n
         problems += [str(exc) for exc in reader.damaged_bb_records(bb_dir, node)]
+        problems += _set_aside_here(bb_dir, node)
         for step, record in sorted(reader.bb_copies(bb_dir, node).items()):
             if record.get("crc32c") is None:
                 continue  # not drained yet: no file CRC to compare with
@@ -133,6 +145,24 @@ def verify(bb_root: Path, pfs_root: Path, node: int | None = None, name: str | N
             + "; ".join(problems)
         )
     return checked
+
+
+def _set_aside_here(bb_dir: Path, node: int | None) -> list[str]:
+    """This node's damaged BB files that its drain set aside (``node`` None: any node's),
+    as problems for :func:`verify`.  Not collective."""
+    problems = []
+    journal = drain.journal_dir(bb_dir)
+    for step, marker in sorted(drain.set_aside(journal).items()):
+        damaged_node = marker.get("node")
+        if not isinstance(damaged_node, int) or node not in (None, damaged_node):
+            continue  # another node's file is the damaged one: this copy is not
+        step_dir = bb_dir / layout.step_dirname(step)
+        problems.append(
+            f"{step_dir / layout.node_filename(damaged_node)}: set aside by the drain, never "
+            f"drained: {marker.get('why')}; save step {step} again, or remove {step_dir}, "
+            f"{drain.task_path(journal, step)} and {drain.set_aside_path(journal, step)}"
+        )
+    return problems
 
 
 @dataclasses.dataclass(frozen=True)

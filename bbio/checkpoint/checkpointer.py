@@ -41,6 +41,7 @@ log = logging.getLogger("bbio")
 FILE_OVERHEAD_BYTES = 1 << 20  # HDF5 metadata, per node file, generously ...
 DATASET_OVERHEAD_BYTES = 4 << 10  # ... and per dataset (about 1.4 KiB each when new)
 MAX_WAIT_POLL_SECONDS = 0.01  # the BB journal is asked: cheap; the PFS only with no drain running
+TOLD_WAIT_POLL_SECONDS = 0.1  # the drain tells of each new status: asked anyway this often
 
 
 @dataclasses.dataclass
@@ -100,8 +101,14 @@ class SaveHandle:
         The error says which nodes' files are not on the PFS yet and what this
         node's drain last reported.  Raises :class:`IntegrityError` at once when
         any node's drain has set the save aside (that node's burst-buffer file
-        is damaged: it will never be committed).
+        is damaged: it will never be committed).  Sleeps until the node's drain
+        writes a new status (:class:`~bbio.checkpoint.drain.StatusWaiter`), or
+        polls where no FIFO can be made.
         """
+        with contextlib.closing(drain.StatusWaiter(self.journal)) as waiter:
+            self._wait(timeout, waiter)
+
+    def _wait(self, timeout: float | None, waiter: drain.StatusWaiter) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.005  # then longer, up to MAX_WAIT_POLL_SECONDS
         while not self.done():
@@ -121,8 +128,12 @@ class SaveHandle:
                     path=self.pfs_step_dir,
                     hint="check that the PFS is writable; 'bbio ckpt drain --finish' completes it",
                 )
-            time.sleep(pause)
-            pause = min(pause * 1.5, MAX_WAIT_POLL_SECONDS)
+            if waiter.notified:
+                left = TOLD_WAIT_POLL_SECONDS if deadline is None else deadline - time.monotonic()
+                waiter.pause(min(max(left, 0.0), TOLD_WAIT_POLL_SECONDS))
+            else:
+                time.sleep(pause)
+                pause = min(pause * 1.5, MAX_WAIT_POLL_SECONDS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +142,7 @@ class CheckpointInfo:
 
     step: int
     bb: str  # "all nodes", "nodes [0, 2]" or "-"
-    pfs: str  # "committed", "draining" or "-"
+    pfs: str  # "committed", "draining", "damaged manifest", "damaged node N" or "-"
 
 
 class Checkpointer:
@@ -803,16 +814,22 @@ class Checkpointer:
 
 
 def describe_pfs(pfs_ckpt_dir: Path) -> dict[int, str]:
-    """Steps on the PFS: committed, draining (some node files there), or damaged (its
-    manifest is not valid JSON). Not collective."""
+    """Steps on the PFS: committed, draining (some node files there), "damaged manifest"
+    (not valid JSON), or "damaged node N" (node N's file of the step's latest save is
+    damaged: set aside, never committed).  Not collective."""
     states = {}
     for step in drain.steps_in(pfs_ckpt_dir):
+        step_dir = pfs_ckpt_dir / layout.step_dirname(step)
         try:
-            manifest = drain.read_manifest(pfs_ckpt_dir / layout.step_dirname(step))
+            manifest = drain.read_manifest(step_dir)
         except IntegrityError:
             states[step] = "damaged manifest"
             continue
-        states[step] = "committed" if manifest else "draining"
+        damaged = None if manifest else drain.read_damaged(step_dir)
+        if damaged is not None:
+            states[step] = f"damaged node {damaged.get('node')}"
+        else:
+            states[step] = "committed" if manifest else "draining"
     return states
 
 

@@ -27,7 +27,9 @@ records and written at once) and ``manifest.json`` last.  The drain reports the
 commit in ``status.json`` (``committed``), and while other nodes have still to
 commit a step it drained (``awaiting``) it looks for their manifest, after a
 tenth of the time it has waited so far (5 to 50 ms): waiting ranks read the
-status, so one process per node, not every rank, polls the PFS.  Then PFS
+status, so one process per node, not every rank, polls the PFS; and they sleep
+on their own FIFO in ``waiters/``, into which the drain writes a byte at each
+new status, so they take no CPU from the copy and learn of the commit at once.  Then PFS
 retention, and this node's BB copies beyond ``keep_bb`` that are committed
 are trimmed (again every second while idle, until none is left waiting for
 other nodes' commits; the PFS is read only when copies are over the limit).
@@ -67,6 +69,7 @@ from bbio.transfer import files
 
 JOURNAL = ".journal"
 LOCK, STATUS, STOP, TARGET, WAKE = "drain.lock", "status.json", "stop", "target.json", "wake"
+WAITERS = "waiters"  # one FIFO per waiting process, told of every new status
 COMMIT_LOCK = ".commit.lock"
 MANIFEST = "manifest.json"
 GLOBAL_VIEW = "global.h5"
@@ -179,36 +182,46 @@ def add_task(journal: Path, task: Task) -> None:
 def wake(journal: Path) -> None:
     """Tell the journal's drain, if one waits, that a task was added.  Never fails: a
     drain that does not wait (busy, starting or gone) finds the task by itself."""
+    _poke(journal / WAKE)
+
+
+def _poke(fifo: Path) -> bool:
+    """Write a byte into ``fifo`` if a process has it open; False if none has (or it is
+    not a FIFO).  Never blocks: a full FIFO has wake-ups pending anyway."""
     try:
-        fd = os.open(journal / WAKE, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: nobody waits
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: nobody has it open
     except OSError:
-        return
+        return False
     try:
-        os.write(fd, b"!")
-    except OSError:  # full: wake-ups are pending anyway
-        pass
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+        with contextlib.suppress(BlockingIOError):
+            os.write(fd, b"!")
+        return True
+    except OSError:
+        return False
     finally:
         os.close(fd)
 
 
-class _Waker:
-    """The drain's end of the ``wake`` FIFO: pauses that a new task ends at once."""
+class _Fifo:
+    """A FIFO this process reads: pauses that a byte written into it ends at once."""
 
-    def __init__(self, journal: Path) -> None:
+    def __init__(self) -> None:
         self.fd: int | None = None
-        try:
-            with contextlib.suppress(FileExistsError):
-                os.mkfifo(journal / WAKE, 0o600)
-            fd = os.open(journal / WAKE, os.O_RDWR | os.O_NONBLOCK)  # RDWR: never EOF
-        except OSError:  # a file system without FIFOs: the polling alone finds tasks
-            return
+
+    def _open(self, path: Path) -> bool:
+        """Open ``path``, a FIFO; False (pauses only sleep) if it is something else."""
+        fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)  # RDWR: never EOF
         if stat.S_ISFIFO(os.fstat(fd).st_mode):
             self.fd = fd
-        else:  # something else took the name: a regular file would always be "ready"
-            os.close(fd)
+            return True
+        os.close(fd)  # a regular file would always be "ready"
+        return False
 
     def pause(self, seconds: float) -> None:
-        """Sleep up to ``seconds``, less if :func:`wake` is called meanwhile."""
+        """Sleep up to ``seconds``, less if a byte is written meanwhile (or was since the
+        last pause)."""
         if self.fd is None:
             time.sleep(seconds)
             return
@@ -217,10 +230,75 @@ class _Waker:
             with contextlib.suppress(BlockingIOError):
                 os.read(self.fd, 4096)
 
+    @property
+    def notified(self) -> bool:
+        """True if pauses end when written to (else they only sleep)."""
+        return self.fd is not None
+
     def close(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+class _Waker(_Fifo):
+    """The drain's end of the ``wake`` FIFO: its pauses end when a task is added."""
+
+    def __init__(self, journal: Path) -> None:
+        super().__init__()
+        try:
+            with contextlib.suppress(FileExistsError):
+                os.mkfifo(journal / WAKE, 0o600)
+            self._open(journal / WAKE)
+        except OSError:  # a file system without FIFOs: the polling alone finds tasks
+            return
+
+
+class StatusWaiter(_Fifo):
+    """A waiting process's FIFO in the journal's ``waiters`` directory: the drain writes
+    a byte into each one whenever it writes its status, so a rank waiting for a commit
+    sleeps instead of polling and learns of it at once.  Not collective.  Where FIFOs
+    cannot be made, :meth:`pause` only sleeps (:attr:`notified` is False)."""
+
+    def __init__(self, journal: Path) -> None:
+        super().__init__()
+        self.path: Path | None = None
+        directory = journal / WAITERS
+        name = f"{os.getpid()}-{id(self):x}"
+        temp = directory / f".{name}"
+        try:
+            directory.mkdir(exist_ok=True)
+            os.mkfifo(temp, 0o600)
+            if self._open(temp):  # opened before it is listed: the drain never finds it
+                os.rename(temp, directory / name)  # without a reader, and so drops it
+                self.path = directory / name
+        except OSError:
+            self.close()
+        finally:
+            with contextlib.suppress(OSError):
+                temp.unlink()
+
+    def close(self) -> None:
+        """Stop being told (remove the FIFO)."""
+        super().close()
+        if self.path is not None:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+            self.path = None
+
+
+def _wake_waiters(journal: Path) -> None:
+    """Write a byte into every waiting process's FIFO; remove those nobody reads any more
+    (their process died).  Never fails."""
+    try:
+        with os.scandir(journal / WAITERS) as it:
+            fifos = [Path(e.path) for e in it if not e.name.startswith(".")]
+    except OSError:
+        return
+    for fifo in fifos:
+        if not _poke(fifo):
+            with contextlib.suppress(OSError):
+                fifo.unlink()
 
 
 def pending(journal: Path) -> list[Task]:
@@ -269,7 +347,9 @@ def read_status(journal: Path) -> dict[str, Any]:
 
 
 def _write_status(journal: Path, **status: Any) -> None:
+    """Write the status, then tell the waiting processes."""
     files.write_json_atomic(journal / STATUS, {"pid": os.getpid(), "time": time.time(), **status})
+    _wake_waiters(journal)
 
 
 def manifest_path(step_dir: Path) -> Path:
@@ -674,10 +754,12 @@ def _process(journal: Path, task: Task, commits: _Commits) -> bool:
             return False
         gone = f"its burst-buffer copy is gone (no {task.source} nor its record)"
         _set_aside(journal, task, gone)  # never drainable; said, not retried for ever
+        commits.report()  # to the waiting ranks
         return False
     elsewhere = damaged_save(Path(task.pfs_step_dir), task.save_time)
     if elsewhere is not None:  # another node's file of this save is damaged: never commits
         _set_aside(journal, task, str(elsewhere.get("why")), elsewhere.get("node"))
+        commits.report()
         return False
     if copy_node_file(task) is None:
         return False
@@ -691,10 +773,12 @@ def _process(journal: Path, task: Task, commits: _Commits) -> bool:
 
 
 def _remove_task(journal: Path, task: Task) -> None:
-    """Remove ``task``'s journal entry, unless it now holds a newer save of the step."""
+    """Remove ``task``'s journal entry, unless it now holds a newer save of the step; tell
+    the waiting processes (a step that leaves the journal may be done)."""
     path = task_path(journal, task.step)
     if task.is_save_of(files.read_json(path)):
         path.unlink(missing_ok=True)
+        _wake_waiters(journal)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -876,6 +960,7 @@ def _drain(
     backoff (1 s, doubling up to 30 s) while the others go on."""
     untrimmed: Task | None = None  # the last task drained, while copies wait to be trimmed
     trimmed_at = 0.0
+    announced: set[tuple[int, float | None]] = set()  # saves set aside, their PFS marker there
     commits = _Commits(journal)
     failures = commits.failures
     commits.report()
@@ -886,9 +971,10 @@ def _drain(
             del failures[gone]  # removed, or saved again: a new task
         if not tasks:
             now = time.monotonic()
-            if untrimmed is not None and now - trimmed_at > IDLE_TRIM_SECONDS:
-                if not _trim_after(journal, untrimmed):  # other nodes may have committed since
-                    untrimmed = None
+            if now - trimmed_at > IDLE_TRIM_SECONDS:
+                _announce_set_aside(journal, announced)
+                if untrimmed is not None and not _trim_after(journal, untrimmed):
+                    untrimmed = None  # other nodes may have committed since
                 trimmed_at = now
             if finish or (journal / STOP).exists() or not _process_alive(parent):
                 if untrimmed is not None:
@@ -942,14 +1028,39 @@ def _set_aside(journal: Path, task: Task, why: str, node: int | None = None) -> 
     """Set ``task``'s save aside because ``node``'s file of it (default: this node's) is
     damaged: a marker beside its task (which a new save of the step replaces, and the
     marker then no longer matches), and, unless there is one, one on the PFS for the
-    other nodes' drains (best effort: the PFS may be what fails)."""
+    other nodes' drains (tried again every second while the drain is idle if that fails)."""
     marker = {"time": task.save_time, "why": why, "node": task.node if node is None else node}
     files.write_json_atomic(set_aside_path(journal, task.step), marker)
-    if damaged_save(Path(task.pfs_step_dir), task.save_time) is not None:
-        return  # the other nodes know
-    with contextlib.suppress(OSError, BBIOError):  # not into a directory retention removed
-        if Path(task.pfs_step_dir).is_dir():
-            files.write_json_atomic(damaged_on_pfs(Path(task.pfs_step_dir)), marker)
+    _tell_other_nodes(task, marker)
+
+
+def _tell_other_nodes(task: Task, marker: dict[str, Any]) -> bool:
+    """Put ``marker`` (``task``'s save set aside) on the PFS unless one of that save is
+    there; True if it is there now.  Never into a step directory that does not exist
+    (retention removed it, or no node has copied yet: tried again later), and never
+    fails: the PFS may be what fails."""
+    step_dir = Path(task.pfs_step_dir)
+    try:
+        if damaged_save(step_dir, task.save_time) is not None:
+            return True
+        if not step_dir.is_dir():
+            return False
+        files.write_json_atomic(damaged_on_pfs(step_dir), marker)
+    except (OSError, BBIOError):
+        return False
+    return True
+
+
+def _announce_set_aside(journal: Path, announced: set[tuple[int, float | None]]) -> None:
+    """Tell the other nodes of the saves set aside in ``journal`` whose PFS marker is not
+    known to be there (its first write failed: the PFS, or the step directory not made
+    yet), so that their drains and waiting ranks stop waiting; ``announced`` keeps those
+    done.  Not collective."""
+    for step, marker in set_aside(journal).items():
+        with contextlib.suppress(BBIOError, TypeError):
+            task = Task(**(files.read_json(task_path(journal, step)) or {}))
+            if _task_key(task) not in announced and _tell_other_nodes(task, marker):
+                announced.add(_task_key(task))
 
 
 def _task_key(task: Task) -> tuple[int, float | None]:
