@@ -18,12 +18,14 @@ journal after a crash is idempotent.
 For each task: copy ``node-N.h5`` (native copy, CRC32C in the same pass, in
 file order) to the PFS under a temporary name, fsync it and read it back and
 compare (``ckpt_verify``: through the client cache, during the fsync; or from
-the device, after it, cached pages dropped); rename it only if the node file
-was not saved again meanwhile; write the node's record on the PFS
-(size, CRC32C, and what the file holds, read from the BB copy) and on the BB;
-then, if every node's record is there, take the commit lock, write
-``global.h5`` (virtual datasets over the node files, built in memory from the
-records and written at once) and ``manifest.json`` last.  The drain reports the
+the device, after it, cached pages dropped); meanwhile write the node's record
+for the PFS (size, CRC32C, and what the file holds, read from the BB copy)
+under its temporary name, durably; rename the file, then its record, only if
+the node file was not saved again meanwhile; record it on the BB too; then, if
+every node's record is there, take the commit lock, write ``global.h5``
+(virtual datasets over the node files, built in memory from the records) and
+``manifest.json`` at once under temporary names, and rename ``global.h5``,
+then ``manifest.json`` last.  The drain reports the
 commit in ``status.json`` (``committed``), and while other nodes have still to
 commit a step it drained (``awaiting``) it looks for their manifest, after a
 tenth of the time it has waited so far (5 to 50 ms): waiting ranks read the
@@ -63,7 +65,7 @@ from typing import Any
 
 from bbio import _native
 from bbio.checkpoint import layout
-from bbio.checkpoint.globalview import describe_node_file, merge_descriptions, write_global_view
+from bbio.checkpoint.globalview import describe_node_file, global_view, merge_descriptions
 from bbio.errors import BBIOError, IntegrityError, from_oserror
 from bbio.transfer import files
 
@@ -396,14 +398,17 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
     result = _native.copy_file(task.source, temp, checksum=True, sequential=True)
     # The commit needs the description (then it reads nothing on the PFS).  It is
     # read from the BB copy during the flush, and after the copy opened the file:
-    # a file saved again meanwhile shows the new save's time, never the old.
+    # a file saved again meanwhile shows the new save's time, never the old.  The
+    # record is written then too, under its temporary name, and renamed after the
+    # node file once both are durable and the copy reads back right.
+    record_temp = files.temp_path(record_path)
     with ThreadPoolExecutor(1) as pool:
-        describing = pool.submit(describe_node_file, task.source, task.node)
+        preparing = pool.submit(_prepare_record, task, record_path, result)
         size, crc = _seal_reading_back(temp, task)
         try:
-            contents = describing.result()
+            record, contents = preparing.result()
         except (OSError, KeyError, ValueError, TypeError, IntegrityError) as exc:
-            temp.unlink(missing_ok=True)
+            _discard(temp, record_temp)
             now = files.read_json(bb_record_path)
             if now is None or not task.is_save_of(now) or not task.source.exists():
                 return None  # saved again or dropped meanwhile: not this save's file
@@ -416,6 +421,7 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
                 "ones are drained); a restore passes over it",
             ) from None
     if size != result.nbytes or crc != result.crc32c:
+        _discard(record_temp)
         raise IntegrityError(
             f"the copy reads back as {size} bytes, CRC32C {crc:08x}; "
             f"{result.nbytes} bytes, {result.crc32c:08x} were written",
@@ -424,12 +430,36 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
         )
     now = files.read_json(bb_record_path)
     if not task.is_save_of(contents) or now is None or not task.is_save_of(now):
+        _discard(temp, record_temp)
         return None  # saved again during the copy: never renamed over the new save's file
-    files.commit([], sealed=[task.target])
-    record = {"size": size, "crc32c": crc, "node": task.node, "time": contents["time"]}
-    files.write_json_atomic(record_path, {**record, "contents": contents})
+    files.commit([], sealed=[task.target, record_path])  # the file first, then its record
     files.write_json_atomic(bb_record_path, {**bb_record, **record, "complete": True})
     return record
+
+
+def _prepare_record(
+    task: Task, record_path: Path, copied: _native.CopyResult
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Describe ``task``'s node file (from the BB copy) and write its PFS record, of the
+    ``copied`` size and CRC32C, under its temporary name, durably: (record, contents)."""
+    contents = describe_node_file(task.source, task.node)
+    record = {
+        "size": copied.nbytes,
+        "crc32c": copied.crc32c,
+        "node": task.node,
+        "time": contents["time"],
+    }
+    document = json.dumps({**record, "contents": contents}, separators=(",", ":"))
+    files.write_temp(record_path, document.encode())
+    return record, contents
+
+
+def _discard(*temps: Path) -> None:
+    """Delete temporary files that will not be renamed (best effort: a retry rewrites
+    them, and a later run's cleanup finds them by name)."""
+    for temp in temps:
+        with contextlib.suppress(OSError):
+            temp.unlink(missing_ok=True)
 
 
 def _seal_reading_back(temp: Path, task: Task) -> tuple[int, int]:
@@ -530,7 +560,7 @@ def try_commit(step_dir: Path, nodes: int) -> bool:
             for n, r in enumerate(records)
         ]
         meta = merge_descriptions(contents, step_dir)
-        view_size, view_crc = write_global_view(step_dir / GLOBAL_VIEW, meta)
+        view, view_crc = global_view(meta)
         manifest = {
             "format": MANIFEST_FORMAT,
             "step": meta["step"],
@@ -545,12 +575,24 @@ def try_commit(step_dir: Path, nodes: int) -> bool:
             "files": [
                 {"path": layout.node_filename(n), **_file_entry(records[n])} for n in range(nodes)
             ]
-            + [{"path": GLOBAL_VIEW, "size": view_size, "crc32c": view_crc}],
+            + [{"path": GLOBAL_VIEW, "size": len(view), "crc32c": view_crc}],
         }
-        files.write_json_atomic(manifest_path(step_dir), manifest)
+        _write_view_then_manifest(step_dir, view, manifest)
     finally:
         lock.unlink(missing_ok=True)
     return True
+
+
+def _write_view_then_manifest(step_dir: Path, view: bytes, manifest: dict[str, Any]) -> None:
+    """Write ``global.h5`` and the manifest durably at once under their temporary names,
+    then rename ``global.h5``, fsync the directory, and rename the manifest last."""
+    document = json.dumps(manifest, separators=(",", ":")).encode()
+    with ThreadPoolExecutor(1) as pool:
+        viewing = pool.submit(files.write_temp, step_dir / GLOBAL_VIEW, view)
+        files.write_temp(manifest_path(step_dir), document)
+        viewing.result()
+    files.commit([], sealed=[step_dir / GLOBAL_VIEW])
+    files.commit([], sealed=[manifest_path(step_dir)])
 
 
 def committed_save(step_dir: Path, save: float | None = None) -> bool:

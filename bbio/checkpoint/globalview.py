@@ -8,8 +8,8 @@ or, for per-rank state, ``/<key>/r00007`` for rank 7.
 Building it needs only what each node file holds, not its bytes: each node's
 drain describes its file from the burst-buffer copy (:func:`describe_node_file`)
 and puts that description in the node's record on the PFS.  The committer
-merges the records (:func:`merge_descriptions`), builds the file in memory and
-writes it with one write (:func:`write_global_view`): no HDF5 reads or small
+merges the records (:func:`merge_descriptions`), builds the file in memory
+(:func:`global_view`) and writes it with one write: no HDF5 reads or small
 writes on the PFS.  The virtual datasets of a layout are built once per
 process, and each commit adds its save's attributes to a copy.
 """
@@ -27,7 +27,6 @@ import numpy as np
 from bbio import _native
 from bbio.checkpoint import layout
 from bbio.errors import IntegrityError
-from bbio.transfer import files
 
 
 def describe_node_file(path: Path, node: int) -> dict[str, Any]:
@@ -229,8 +228,8 @@ def _map_rank_arrays(f, meta: dict[str, Any]) -> None:
         f.create_virtual_dataset(name, vlayout)
 
 
-def write_global_view(path: Path, meta: dict[str, Any]) -> tuple[int, int]:
-    """Write ``global.h5`` at ``path`` (temporary name, fsync, rename): its (size, CRC32C)."""
+def global_view(meta: dict[str, Any]) -> tuple[bytes, int]:
+    """The bytes of ``global.h5`` for the merged description ``meta`` and their CRC32C,
+    for the committer to write (:func:`global_view_image`)."""
     image = global_view_image(meta)
-    files.write_bytes_atomic(path, image)
-    return len(image), _native.crc32c(np.frombuffer(image, dtype=np.uint8))
+    return image, _native.crc32c(np.frombuffer(image, dtype=np.uint8))

@@ -218,18 +218,33 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_durably(temp, data, 0o644)
         os.replace(temp, path)
     except OSError as exc:
         raise _fail(exc, "write", path) from None
     fsync_dirs([path.parent])
+
+
+def write_temp(final: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write ``data`` durably under ``final``'s temporary name, for :func:`commit` with
+    ``sealed`` to rename (with other files, and one directory fsync).  Not collective."""
+    temp = temp_path(final)
+    try:
+        _write_durably(temp, data, mode)
+    except OSError as exc:
+        raise _fail(exc, "write", temp) from None
+
+
+def _write_durably(path: Path, data: bytes, mode: int) -> None:
+    """Create (or truncate) ``path``, write ``data`` whole and fsync it."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_json(path: Path) -> Any | None:
