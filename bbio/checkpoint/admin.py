@@ -148,13 +148,18 @@ def verify(bb_root: Path, pfs_root: Path, node: int | None = None, name: str | N
 
 
 def _set_aside_here(bb_dir: Path, node: int | None) -> list[str]:
-    """This node's damaged BB files that its drain set aside (``node`` None: any node's),
-    as problems for :func:`verify`.  Not collective."""
+    """This node's damaged BB files that its drain set aside, as problems for
+    :func:`verify` (the node is the one its tasks name; ``node`` if they cannot say).
+    Not collective."""
     problems = []
     journal = drain.journal_dir(bb_dir)
     for step, marker in sorted(drain.set_aside(journal).items()):
         damaged_node = marker.get("node")
-        if not isinstance(damaged_node, int) or node not in (None, damaged_node):
+        try:
+            here = (files.read_json(drain.task_path(journal, step)) or {}).get("node", node)
+        except IntegrityError:
+            here = node
+        if not isinstance(damaged_node, int) or damaged_node != here:
             continue  # another node's file is the damaged one: this copy is not
         step_dir = bb_dir / layout.step_dirname(step)
         problems.append(

@@ -105,6 +105,8 @@ class SaveHandle:
         writes a new status (:class:`~bbio.checkpoint.drain.StatusWaiter`), or
         polls where no FIFO can be made.
         """
+        if self.skipped or self.done():
+            return
         with contextlib.closing(drain.StatusWaiter(self.journal)) as waiter:
             self._wait(timeout, waiter)
 
@@ -128,7 +130,8 @@ class SaveHandle:
                     path=self.pfs_step_dir,
                     hint="check that the PFS is writable; 'bbio ckpt drain --finish' completes it",
                 )
-            if waiter.notified:
+            told = not self.direct and drain.step_committed(self.journal, self.step) is not None
+            if waiter.notified and told:  # else only the PFS can say: asked as often as before
                 left = TOLD_WAIT_POLL_SECONDS if deadline is None else deadline - time.monotonic()
                 waiter.pause(min(max(left, 0.0), TOLD_WAIT_POLL_SECONDS))
             else:

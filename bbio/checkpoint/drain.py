@@ -50,15 +50,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import errno
 import fcntl
 import json
 import os
+import secrets
 import select
 import socket
 import stat
 import sys
 import time
 from collections.abc import Iterable
+from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -187,13 +190,14 @@ def wake(journal: Path) -> None:
     _poke(journal / WAKE)
 
 
-def _poke(fifo: Path) -> bool:
-    """Write a byte into ``fifo`` if a process has it open; False if none has (or it is
-    not a FIFO).  Never blocks: a full FIFO has wake-ups pending anyway."""
+def _poke(fifo: Path) -> bool | None:
+    """Write a byte into ``fifo``: True if done, False if no process has it open (or it
+    is not a FIFO), None if it could not be told (say, out of descriptors).  Never
+    blocks: a full FIFO has wake-ups pending anyway."""
     try:
-        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO: nobody has it open
-    except OSError:
-        return False
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        return False if exc.errno in (errno.ENXIO, errno.ENOENT) else None
     try:
         if not stat.S_ISFIFO(os.fstat(fd).st_mode):
             return False
@@ -201,7 +205,7 @@ def _poke(fifo: Path) -> bool:
             os.write(fd, b"!")
         return True
     except OSError:
-        return False
+        return None
     finally:
         os.close(fd)
 
@@ -227,8 +231,9 @@ class _Fifo:
         if self.fd is None:
             time.sleep(seconds)
             return
-        ready, _, _ = select.select([self.fd], [], [], seconds)
-        if ready:
+        poller = select.poll()  # not select(): descriptors above 1023 are common in a rank
+        poller.register(self.fd, select.POLLIN)
+        if poller.poll(max(seconds, 0.0) * 1000):
             with contextlib.suppress(BlockingIOError):
                 os.read(self.fd, 4096)
 
@@ -266,7 +271,7 @@ class StatusWaiter(_Fifo):
         super().__init__()
         self.path: Path | None = None
         directory = journal / WAITERS
-        name = f"{os.getpid()}-{id(self):x}"
+        name = f"{os.getpid()}-{secrets.token_hex(8)}"  # unique: never another's to remove
         temp = directory / f".{name}"
         try:
             directory.mkdir(exist_ok=True)
@@ -291,14 +296,21 @@ class StatusWaiter(_Fifo):
 
 def _wake_waiters(journal: Path) -> None:
     """Write a byte into every waiting process's FIFO; remove those nobody reads any more
-    (their process died).  Never fails."""
+    (their process closed or lost it), and those a process that died left half made
+    (``.PID-...``).  Never fails."""
     try:
         with os.scandir(journal / WAITERS) as it:
-            fifos = [Path(e.path) for e in it if not e.name.startswith(".")]
+            names = [e.name for e in it]
     except OSError:
         return
-    for fifo in fifos:
-        if not _poke(fifo):
+    for name in names:
+        fifo = journal / WAITERS / name
+        if name.startswith("."):
+            pid = name[1:].partition("-")[0]
+            gone = pid.isdigit() and not _process_alive(int(pid))
+        else:
+            gone = _poke(fifo) is False
+        if gone:
             with contextlib.suppress(OSError):
                 fifo.unlink()
 
@@ -404,7 +416,12 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
     record_temp = files.temp_path(record_path)
     with ThreadPoolExecutor(1) as pool:
         preparing = pool.submit(_prepare_record, task, record_path, result)
-        size, crc = _seal_reading_back(temp, task)
+        try:
+            size, crc = _seal_reading_back(temp, task)
+        except BaseException:
+            futures.wait([preparing])
+            _discard(temp, record_temp)
+            raise
         try:
             record, contents = preparing.result()
         except (OSError, KeyError, ValueError, TypeError, IntegrityError) as exc:
@@ -584,15 +601,25 @@ def try_commit(step_dir: Path, nodes: int) -> bool:
 
 
 def _write_view_then_manifest(step_dir: Path, view: bytes, manifest: dict[str, Any]) -> None:
-    """Write ``global.h5`` and the manifest durably at once under their temporary names,
-    then rename ``global.h5``, fsync the directory, and rename the manifest last."""
+    """Write ``global.h5`` and the manifest durably at once under temporary names of
+    their own (a committer that took a lock judged stale never shares them), then
+    rename ``global.h5``, fsync the directory, and rename the manifest last."""
     document = json.dumps(manifest, separators=(",", ":")).encode()
-    with ThreadPoolExecutor(1) as pool:
-        viewing = pool.submit(files.write_temp, step_dir / GLOBAL_VIEW, view)
-        files.write_temp(manifest_path(step_dir), document)
-        viewing.result()
-    files.commit([], sealed=[step_dir / GLOBAL_VIEW])
-    files.commit([], sealed=[manifest_path(step_dir)])
+    view_temp = files.unique_temp_path(step_dir / GLOBAL_VIEW)
+    manifest_temp = files.unique_temp_path(manifest_path(step_dir))
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            viewing = pool.submit(files.write_durably, view_temp, view)
+            try:
+                files.write_durably(manifest_temp, document)
+            finally:
+                futures.wait([viewing])
+            viewing.result()
+        files.rename_durably(view_temp, step_dir / GLOBAL_VIEW)
+        files.rename_durably(manifest_temp, manifest_path(step_dir))
+    except BaseException:
+        _discard(view_temp, manifest_temp)
+        raise
 
 
 def committed_save(step_dir: Path, save: float | None = None) -> bool:
@@ -1001,24 +1028,27 @@ def _drain(
     """The drain's loop: tasks in step order; one that fails is tried again after a
     backoff (1 s, doubling up to 30 s) while the others go on."""
     untrimmed: Task | None = None  # the last task drained, while copies wait to be trimmed
-    trimmed_at = 0.0
+    trimmed_at = announced_at = 0.0
     announced: set[tuple[int, float | None]] = set()  # saves set aside, their PFS marker there
     commits = _Commits(journal)
     failures = commits.failures
     commits.report()
     while True:
         commits.look()
+        if time.monotonic() - announced_at > IDLE_TRIM_SECONDS:  # busy or not
+            _announce_set_aside(journal, announced)
+            announced_at = time.monotonic()
         tasks = pending(journal)
         for gone in set(failures) - {_task_key(t) for t in tasks}:
             del failures[gone]  # removed, or saved again: a new task
         if not tasks:
             now = time.monotonic()
-            if now - trimmed_at > IDLE_TRIM_SECONDS:
-                _announce_set_aside(journal, announced)
-                if untrimmed is not None and not _trim_after(journal, untrimmed):
-                    untrimmed = None  # other nodes may have committed since
+            if untrimmed is not None and now - trimmed_at > IDLE_TRIM_SECONDS:
+                if not _trim_after(journal, untrimmed):  # other nodes may have committed since
+                    untrimmed = None
                 trimmed_at = now
             if finish or (journal / STOP).exists() or not _process_alive(parent):
+                _announce_set_aside(journal, announced)  # a last try before leaving
                 if untrimmed is not None:
                     _trim_after(journal, untrimmed, recycle=False)
                 with contextlib.suppress(BBIOError):  # no save will come to reuse them
@@ -1037,6 +1067,7 @@ def _drain(
         if not ready:  # every task waits for its next try
             soonest = min(failures[_task_key(t)].retry_at for t in tasks)
             if deadline is not None and soonest > deadline:
+                _announce_set_aside(journal, announced)
                 return 1
             until = min(soonest - now, commits.until_next_look())
             waker.pause(min(POLL_SECONDS, max(until, 0.001)))
@@ -1063,6 +1094,7 @@ def _drain(
             commits.report(state="retrying", step=task.step)
             print(f"bbio drain: {message} (retry {count} in {backoff:.0f} s)", file=sys.stderr)
         if deadline is not None and time.monotonic() > deadline:
+            _announce_set_aside(journal, announced)
             return 1
 
 
@@ -1087,7 +1119,9 @@ def _tell_other_nodes(task: Task, marker: dict[str, Any]) -> bool:
             return True
         if not step_dir.is_dir():
             return False
-        files.write_json_atomic(damaged_on_pfs(step_dir), marker)
+        temp = files.unique_temp_path(damaged_on_pfs(step_dir))  # never makes the directory:
+        files.write_durably(temp, json.dumps(marker).encode())  # retention may remove it
+        files.rename_durably(temp, damaged_on_pfs(step_dir))
     except (OSError, BBIOError):
         return False
     return True
@@ -1101,7 +1135,9 @@ def _announce_set_aside(journal: Path, announced: set[tuple[int, float | None]])
     for step, marker in set_aside(journal).items():
         with contextlib.suppress(BBIOError, TypeError):
             task = Task(**(files.read_json(task_path(journal, step)) or {}))
-            if _task_key(task) not in announced and _tell_other_nodes(task, marker):
+            if task.save_time != marker.get("time") or _task_key(task) in announced:
+                continue  # saved again meanwhile, or said
+            if _tell_other_nodes(task, marker):
                 announced.add(_task_key(task))
 
 

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import secrets
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -213,38 +214,49 @@ def write_json_atomic(path: Path, document: Any) -> None:
 def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` durably, in one write: temp name, fsync, rename, fsync dir.
 
-    The temporary name carries the process ID, so concurrent writers never share one.
+    The temporary name is unique (:func:`unique_temp_path`), so concurrent writers never
+    share one.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
-    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        _write_durably(temp, data, 0o644)
-        os.replace(temp, path)
-    except OSError as exc:
-        raise _fail(exc, "write", path) from None
-    fsync_dirs([path.parent])
+    temp = unique_temp_path(path)
+    write_durably(temp, data)
+    rename_durably(temp, path)
 
 
-def write_temp(final: Path, data: bytes, mode: int = 0o644) -> None:
+def unique_temp_path(final: Path) -> Path:
+    """A temporary name for ``final`` that no other writer uses (process ID and a random
+    part), for files several processes might write at once."""
+    return final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def write_temp(final: Path, data: bytes) -> None:
     """Write ``data`` durably under ``final``'s temporary name, for :func:`commit` with
     ``sealed`` to rename (with other files, and one directory fsync).  Not collective."""
-    temp = temp_path(final)
+    write_durably(temp_path(final), data)
+
+
+def write_durably(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Create (or truncate) ``path``, write ``data`` whole and fsync it.  Not collective."""
     try:
-        _write_durably(temp, data, mode)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
     except OSError as exc:
-        raise _fail(exc, "write", temp) from None
+        raise _fail(exc, "write", path) from None
 
 
-def _write_durably(path: Path, data: bytes, mode: int) -> None:
-    """Create (or truncate) ``path``, write ``data`` whole and fsync it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+def rename_durably(temp: Path, final: Path) -> None:
+    """Rename ``temp`` to ``final``, then fsync the directory.  Not collective."""
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        os.replace(temp, final)
+    except OSError as exc:
+        raise _fail(exc, "rename into place", final) from None
+    fsync_dirs([final.parent])
 
 
 def read_json(path: Path) -> Any | None:
