@@ -654,6 +654,17 @@ def test_the_overlap_sweep_agrees_with_brute_force(ndim):
             assert layout.intersect(boxes[i], boxes[j]) is not None
 
 
+def test_a_task_of_a_save_withdrawn_meanwhile_is_dropped_not_set_aside(tmp_path):
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    (task,) = drain.pending(j0)  # taken by the drain; then the save fails on another node
+    shutil.rmtree(task.source.parent)  # and is withdrawn: file, record and task removed
+    drain.task_path(j0, 7).unlink()
+    (tmp_path / "pfs" / layout.step_dirname(7)).mkdir(parents=True)  # another node copied
+    assert drain._process(j0, task, drain._Commits(j0)) is False
+    assert not drain.set_aside_path(j0, 7).exists()
+    assert drain.read_damaged(tmp_path / "pfs" / layout.step_dirname(7)) is None
+
+
 def test_a_task_without_its_copy_is_set_aside_unless_its_save_is_committed(tmp_path):
     j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
     task = drain.pending(j0)[0]

@@ -821,6 +821,9 @@ def _process(journal: Path, task: Task, commits: _Commits) -> bool:
         if committed_save(Path(task.pfs_step_dir), task.save_time):
             _remove_task(journal, task)  # drained and committed before a crash: done
             return False
+        queued = files.read_json(task_path(journal, task.step)) or {}
+        if queued.get("save_time") != task.save_time:
+            return False  # the save was withdrawn (it failed) or replaced: not damage
         gone = f"its burst-buffer copy is gone (no {task.source} nor its record)"
         _set_aside(journal, task, gone)  # never drainable; said, not retried for ever
         commits.report()  # to the waiting ranks
