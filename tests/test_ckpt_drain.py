@@ -20,7 +20,7 @@ from bbio import _native
 from bbio.checkpoint import drain, layout, restore
 from bbio.checkpoint.globalview import describe_node_file, global_view, merge_descriptions
 from bbio.checkpoint.writer import file_attrs
-from bbio.errors import IntegrityError, UsageError
+from bbio.errors import BBIOError, IntegrityError, UsageError
 from bbio.transfer import files
 
 
@@ -299,10 +299,12 @@ def test_a_waiting_process_is_told_of_each_status_and_each_task_that_leaves(tmp_
         waiter.close()
     assert list(waiters.iterdir()) == []
     os.mkfifo(waiters / "12345-gone")  # a waiter that died: nobody reads it
-    os.mkfifo(waiters / ".99999999-half")  # one that died before it was listed
-    os.mkfifo(waiters / f".{os.getpid()}-making")  # one being made now: left alone
+    os.mkfifo(waiters / ".12345-half")  # one whose maker died before it was listed
+    old = time.time() - drain.HALF_MADE_WAITER_SECONDS - 5
+    os.utime(waiters / ".12345-half", (old, old))
+    os.mkfifo(waiters / ".12346-making")  # one being made now: left alone
     drain._write_status(journal, state="idle")
-    assert [p.name for p in waiters.iterdir()] == [f".{os.getpid()}-making"]
+    assert [p.name for p in waiters.iterdir()] == [".12346-making"]
 
 
 def test_a_waiter_whose_descriptor_is_above_1023_still_pauses(tmp_path):
@@ -329,6 +331,21 @@ def test_a_waiter_whose_descriptor_is_above_1023_still_pauses(tmp_path):
         for fd in held:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_write_that_fails_names_its_file_and_leaves_no_temporary_file(tmp_path):
+    import resource
+
+    target = tmp_path / "status.json"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16, hard))  # writes beyond 16 bytes fail
+    try:
+        with pytest.raises(BBIOError, match=r"status\.json") as err:
+            files.write_json_atomic(target, {"state": "a document longer than 16 bytes"})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert ".bbio-part" not in str(err.value) and list(tmp_path.iterdir()) == []
+    assert files.is_temp_name(files.unique_temp_path(target).name)  # found by cleanups
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs to unbind from one")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from bbio.checkpoint import drain, layout
 from bbio.checkpoint import restore as reader
-from bbio.errors import BBIOTimeoutError, IntegrityError, NotFoundError
+from bbio.errors import BBIOError, BBIOTimeoutError, IntegrityError, NotFoundError
 from bbio.transfer import files
 
 
@@ -157,7 +157,7 @@ def _set_aside_here(bb_dir: Path, node: int | None) -> list[str]:
         damaged_node = marker.get("node")
         try:
             here = (files.read_json(drain.task_path(journal, step)) or {}).get("node", node)
-        except IntegrityError:
+        except BBIOError:  # damaged or unreadable: the caller's node
             here = node
         if not isinstance(damaged_node, int) or damaged_node != here:
             continue  # another node's file is the damaged one: this copy is not

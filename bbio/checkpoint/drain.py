@@ -75,6 +75,7 @@ from bbio.transfer import files
 JOURNAL = ".journal"
 LOCK, STATUS, STOP, TARGET, WAKE = "drain.lock", "status.json", "stop", "target.json", "wake"
 WAITERS = "waiters"  # one FIFO per waiting process, told of every new status
+HALF_MADE_WAITER_SECONDS = 60.0  # a hidden waiter FIFO this old was left by a dead process
 COMMIT_LOCK = ".commit.lock"
 MANIFEST = "manifest.json"
 GLOBAL_VIEW = "global.h5"
@@ -296,8 +297,8 @@ class StatusWaiter(_Fifo):
 
 def _wake_waiters(journal: Path) -> None:
     """Write a byte into every waiting process's FIFO; remove those nobody reads any more
-    (their process closed or lost it), and those a process that died left half made
-    (``.PID-...``).  Never fails."""
+    (their process closed or lost it), and hidden ones a process that died left half made
+    (older than a minute).  Never fails."""
     try:
         with os.scandir(journal / WAITERS) as it:
             names = [e.name for e in it]
@@ -305,9 +306,11 @@ def _wake_waiters(journal: Path) -> None:
         return
     for name in names:
         fifo = journal / WAITERS / name
-        if name.startswith("."):
-            pid = name[1:].partition("-")[0]
-            gone = pid.isdigit() and not _process_alive(int(pid))
+        if name.startswith("."):  # renamed microseconds after it is made, unless its maker
+            try:  # died: judged by age, not PID (waiters may be in another PID namespace)
+                gone = time.time() - fifo.lstat().st_mtime > HALF_MADE_WAITER_SECONDS
+            except OSError:
+                gone = False
         else:
             gone = _poke(fifo) is False
         if gone:
@@ -406,26 +409,40 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
         ):
             return existing
     Path(task.pfs_step_dir).mkdir(parents=True, exist_ok=True)
-    temp = files.temp_path(task.target)
+    temp, record_temp = files.temp_path(task.target), files.temp_path(record_path)
+    try:
+        record = _copy_verified(task, temp, record_path, bb_record_path)
+    except BaseException:
+        _discard(temp, record_temp)  # a retry copies again; a withdrawn save leaves nothing
+        raise
+    if record is None:
+        _discard(temp, record_temp)
+        return None
+    files.write_json_atomic(bb_record_path, {**bb_record, **record, "complete": True})
+    return record
+
+
+def _copy_verified(
+    task: Task, temp: Path, record_path: Path, bb_record_path: Path
+) -> dict[str, Any] | None:
+    """Copy ``task``'s node file to ``temp``, flush it and read it back, write its PFS
+    record meanwhile, and rename both into place: the record, or None if the file was
+    saved again meanwhile (nothing renamed).  Leaves its temporary files to the caller."""
     result = _native.copy_file(task.source, temp, checksum=True, sequential=True)
     # The commit needs the description (then it reads nothing on the PFS).  It is
     # read from the BB copy during the flush, and after the copy opened the file:
     # a file saved again meanwhile shows the new save's time, never the old.  The
     # record is written then too, under its temporary name, and renamed after the
     # node file once both are durable and the copy reads back right.
-    record_temp = files.temp_path(record_path)
     with ThreadPoolExecutor(1) as pool:
         preparing = pool.submit(_prepare_record, task, record_path, result)
         try:
             size, crc = _seal_reading_back(temp, task)
-        except BaseException:
-            futures.wait([preparing])
-            _discard(temp, record_temp)
-            raise
+        finally:
+            futures.wait([preparing])  # its temporary record is written, or never will be
         try:
             record, contents = preparing.result()
         except (OSError, KeyError, ValueError, TypeError, IntegrityError) as exc:
-            _discard(temp, record_temp)
             now = files.read_json(bb_record_path)
             if now is None or not task.is_save_of(now) or not task.source.exists():
                 return None  # saved again or dropped meanwhile: not this save's file
@@ -438,19 +455,16 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
                 "ones are drained); a restore passes over it",
             ) from None
     if size != result.nbytes or crc != result.crc32c:
-        _discard(record_temp)
         raise IntegrityError(
             f"the copy reads back as {size} bytes, CRC32C {crc:08x}; "
             f"{result.nbytes} bytes, {result.crc32c:08x} were written",
-            path=temp,
+            path=task.target,
             hint="the PFS may be failing; the drain will copy it again",
         )
     now = files.read_json(bb_record_path)
     if not task.is_save_of(contents) or now is None or not task.is_save_of(now):
-        _discard(temp, record_temp)
         return None  # saved again during the copy: never renamed over the new save's file
     files.commit([], sealed=[task.target, record_path])  # the file first, then its record
-    files.write_json_atomic(bb_record_path, {**bb_record, **record, "complete": True})
     return record
 
 
@@ -823,6 +837,7 @@ def _process(journal: Path, task: Task, commits: _Commits) -> bool:
             return False
         queued = files.read_json(task_path(journal, task.step)) or {}
         if queued.get("save_time") != task.save_time:
+            commits.report()  # no longer copying it
             return False  # the save was withdrawn (it failed) or replaced: not damage
         gone = f"its burst-buffer copy is gone (no {task.source} nor its record)"
         _set_aside(journal, task, gone)  # never drainable; said, not retried for ever
@@ -1105,7 +1120,8 @@ def _set_aside(journal: Path, task: Task, why: str, node: int | None = None) -> 
     """Set ``task``'s save aside because ``node``'s file of it (default: this node's) is
     damaged: a marker beside its task (which a new save of the step replaces, and the
     marker then no longer matches), and, unless there is one, one on the PFS for the
-    other nodes' drains (tried again every second while the drain is idle if that fails)."""
+    other nodes' drains (if that fails, tried again every second and before the drain
+    exits)."""
     marker = {"time": task.save_time, "why": why, "node": task.node if node is None else node}
     files.write_json_atomic(set_aside_path(journal, task.step), marker)
     _tell_other_nodes(task, marker)
@@ -1123,8 +1139,12 @@ def _tell_other_nodes(task: Task, marker: dict[str, Any]) -> bool:
         if not step_dir.is_dir():
             return False
         temp = files.unique_temp_path(damaged_on_pfs(step_dir))  # never makes the directory:
-        files.write_durably(temp, json.dumps(marker).encode())  # retention may remove it
-        files.rename_durably(temp, damaged_on_pfs(step_dir))
+        try:  # retention may remove it
+            files.write_durably(temp, json.dumps(marker).encode())
+            files.rename_durably(temp, damaged_on_pfs(step_dir))
+        except BaseException:
+            _discard(temp)
+            raise
     except (OSError, BBIOError):
         return False
     return True

@@ -8,6 +8,7 @@ gives it its final name, after setting mode and mtime and fsyncing it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -215,18 +216,25 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` durably, in one write: temp name, fsync, rename, fsync dir.
 
     The temporary name is unique (:func:`unique_temp_path`), so concurrent writers never
-    share one.
+    share one; it is removed if the write fails.  Errors name ``path``.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = unique_temp_path(path)
-    write_durably(temp, data)
-    rename_durably(temp, path)
+    try:
+        _write_fsynced(temp, data, 0o644)
+        os.replace(temp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            temp.unlink(missing_ok=True)
+        raise _fail(exc, "write", path) from None
+    fsync_dirs([path.parent])
 
 
 def unique_temp_path(final: Path) -> Path:
     """A temporary name for ``final`` that no other writer uses (process ID and a random
-    part), for files several processes might write at once."""
-    return final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    part; a temporary name as :func:`is_temp_name` knows them), for files several
+    processes might write at once."""
+    return final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
 
 
 def write_temp(final: Path, data: bytes) -> None:
@@ -238,16 +246,20 @@ def write_temp(final: Path, data: bytes) -> None:
 def write_durably(path: Path, data: bytes, mode: int = 0o644) -> None:
     """Create (or truncate) ``path``, write ``data`` whole and fsync it.  Not collective."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _write_fsynced(path, data, mode)
     except OSError as exc:
         raise _fail(exc, "write", path) from None
+
+
+def _write_fsynced(path: Path, data: bytes, mode: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def rename_durably(temp: Path, final: Path) -> None:
