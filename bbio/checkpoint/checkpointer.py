@@ -68,23 +68,33 @@ class SaveHandle:
         commits: one process per node polls the PFS, not every waiting rank.
         Reads the PFS manifest only when no drain is running to tell.
         """
+        return self._done(self._drain_knows())
+
+    def _drain_knows(self) -> bool | None:
+        """What this node's drain says of the commit (:func:`drain.step_committed`); None
+        when it cannot tell, or the save is not the drain's (skipped, or direct)."""
+        if self.skipped or self.direct:
+            return None
+        return drain.step_committed(self.journal, self.step)
+
+    def _done(self, known: bool | None) -> bool:
+        """:meth:`done`, given what the drain knows (``known``)."""
         if self.skipped:
             return True
-        if not self.direct:
-            known = drain.step_committed(self.journal, self.step)
-            if known is not None:
-                return known
+        if known is not None:
+            return known
         return drain.read_manifest(self.pfs_step_dir) is not None
 
-    def _raise_if_set_aside(self) -> None:
+    def _raise_if_set_aside(self, known: bool | None) -> None:
         """Raise if a node's drain set this save aside (this node's, or another's seen on
-        the PFS by this node's drain); not for a later save of the step."""
+        the PFS by this node's drain); not for a later save of the step.  ``known``: what
+        the drain knows of the commit (None: only the PFS can tell)."""
         if self.skipped or self.direct or self.save_time is None:
             return
         entry = drain.read_status(self.journal).get("damaged", {}).get(str(self.step))
         if not (isinstance(entry, dict) and entry.get("time") == self.save_time):
             entry = None  # of another save of the step, or none
-            if drain.step_committed(self.journal, self.step) is None:  # no drain to tell
+            if known is None:  # no drain to tell
                 entry = drain.damaged_save(self.pfs_step_dir, self.save_time)
         if entry is None:
             return
@@ -105,7 +115,7 @@ class SaveHandle:
         writes a new status (:class:`~bbio.checkpoint.drain.StatusWaiter`), or
         polls where no FIFO can be made.
         """
-        if self.skipped or self.done():
+        if self.done():  # skipped, or committed already: no FIFO to make
             return
         with contextlib.closing(drain.StatusWaiter(self.journal)) as waiter:
             self._wait(timeout, waiter)
@@ -113,8 +123,8 @@ class SaveHandle:
     def _wait(self, timeout: float | None, waiter: drain.StatusWaiter) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         pause = 0.005  # then longer, up to MAX_WAIT_POLL_SECONDS
-        while not self.done():
-            self._raise_if_set_aside()
+        while not self._done(known := self._drain_knows()):
+            self._raise_if_set_aside(known)
             if deadline is not None and time.monotonic() > deadline:
                 missing = [
                     n
@@ -130,8 +140,7 @@ class SaveHandle:
                     path=self.pfs_step_dir,
                     hint="check that the PFS is writable; 'bbio ckpt drain --finish' completes it",
                 )
-            told = not self.direct and drain.step_committed(self.journal, self.step) is not None
-            if waiter.notified and told:  # else only the PFS can say: asked as often as before
+            if waiter.notified and known is not None:  # else only the PFS can say: polled
                 left = TOLD_WAIT_POLL_SECONDS if deadline is None else deadline - time.monotonic()
                 waiter.pause(min(max(left, 0.0), TOLD_WAIT_POLL_SECONDS))
             else:

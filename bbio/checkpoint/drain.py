@@ -1138,13 +1138,7 @@ def _tell_other_nodes(task: Task, marker: dict[str, Any]) -> bool:
             return True
         if not step_dir.is_dir():
             return False
-        temp = files.unique_temp_path(damaged_on_pfs(step_dir))  # never makes the directory:
-        try:  # retention may remove it
-            files.write_durably(temp, json.dumps(marker).encode())
-            files.rename_durably(temp, damaged_on_pfs(step_dir))
-        except BaseException:
-            _discard(temp)
-            raise
+        files.write_json_atomic(damaged_on_pfs(step_dir), marker, make_parent=False)
     except (OSError, BBIOError):
         return False
     return True

@@ -207,18 +207,20 @@ def fsync_dirs(directories: Iterable[str | Path]) -> None:
             os.close(fd)
 
 
-def write_json_atomic(path: Path, document: Any) -> None:
+def write_json_atomic(path: Path, document: Any, make_parent: bool = True) -> None:
     """Write ``document`` as JSON to ``path`` durably: temp name, fsync, rename, fsync dir."""
-    write_bytes_atomic(path, json.dumps(document, separators=(",", ":")).encode())
+    write_bytes_atomic(path, json.dumps(document, separators=(",", ":")).encode(), make_parent)
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
+def write_bytes_atomic(path: Path, data: bytes, make_parent: bool = True) -> None:
     """Write ``data`` to ``path`` durably, in one write: temp name, fsync, rename, fsync dir.
 
     The temporary name is unique (:func:`unique_temp_path`), so concurrent writers never
-    share one; it is removed if the write fails.  Errors name ``path``.
+    share one; it is removed if the write fails.  Errors name ``path``.  Without
+    ``make_parent``, a missing directory is an error instead of being created.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if make_parent:
+        path.parent.mkdir(parents=True, exist_ok=True)
     temp = unique_temp_path(path)
     try:
         _write_fsynced(temp, data, 0o644)
