@@ -416,12 +416,17 @@ def test_a_read_only_source_directory_does_not_block_a_rerun(world_tmp):
         assert copy.stat().st_mode & 0o777 == 0o555
 
 
+# Rank 0 prints every rank's outcome: lines printed by two ranks at once can interleave.
 _OPEN_DATASET = (
     "import sys; from mpi4py import MPI; import bbio\n"
+    "outcome = 'opened'\n"
     "try:\n"
     "    bbio.open_dataset(MPI.COMM_WORLD, sys.argv[1]).close()\n"
     "except bbio.PermissionDeniedError as exc:\n"
-    "    print('refused:', str(exc).replace(chr(10), ' '))\n"
+    "    outcome = 'refused: ' + str(exc).replace(chr(10), ' ')\n"
+    "outcomes = MPI.COMM_WORLD.gather(outcome)\n"
+    "if MPI.COMM_WORLD.rank == 0:\n"
+    "    print(chr(10).join(outcomes), flush=True)\n"
 )
 
 
