@@ -12,7 +12,7 @@ import dataclasses
 import errno
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -207,6 +207,7 @@ def copy_file(
     direct: bool = False,
     buffer_size: int = 2 << 20,
     sequential: bool = False,
+    on_open: Callable[[], object] | None = None,
 ) -> CopyResult:
     """Copy the whole file ``src`` into ``dst`` (created or truncated).
 
@@ -214,6 +215,9 @@ def copy_file(
     for the file system, and a full device fails before any byte is copied).
     ``direct`` opens both with O_DIRECT where the file system allows it;
     ``sequential`` writes in file order from one thread (:func:`copy_range`).
+    ``on_open`` is called once both files are open, right before the bytes are
+    copied (the copy releases the GIL: a thread it starts runs meanwhile, and
+    does not hold up the copy's start).
     Does not fsync and does not rename: the transfer layer does that.
     """
     src_fd = _open(src, os.O_RDONLY, direct, "open for reading")
@@ -225,6 +229,8 @@ def copy_file(
                 preallocated = preallocate(dst_fd, size)
             except OSError as exc:
                 raise errno_error(exc.errno, f"reserve {size} bytes for the copy", dst) from None
+            if on_open is not None:
+                on_open()
             result = copy_range(
                 src_fd,
                 dst_fd,

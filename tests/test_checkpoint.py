@@ -413,6 +413,9 @@ def test_bad_state_is_the_same_clear_error_everywhere(comm, shared_tmp):
                 ckpt.save(1, arrays)
             assert "cannot store" in str(info.value) and str(bad.dtype) in str(info.value)
             assert comm.allgather(str(info.value)) == [str(info.value)] * comm.Get_size()
+            comm.Barrier()  # no burst buffer keeps a directory made for the refused save
+            assert not list((shared_tmp / "bb").glob("*/ckpt/bad/step-*"))
+            comm.Barrier()  # every rank looked before the next save
         with pytest.raises(bbio.UsageError) as info:  # the same state, attrs of its own
             ckpt.save(2, {"ok": np.zeros(3)}, attrs={"loss": 1.0 / (1 + comm.Get_rank())})
         assert "disagree on the attrs" in str(info.value)

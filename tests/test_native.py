@@ -181,6 +181,17 @@ def test_sequential_copy_writes_in_file_order(tmp_path):
     assert dst.read_bytes() == data
 
 
+def test_copy_file_calls_on_open_once_before_any_byte_is_copied(tmp_path):
+    data = random_bytes((9 << 20) + 3, seed=6)
+    src = write_file(tmp_path / "src", data)
+    dst = tmp_path / "dst"
+    dst.write_bytes(data[:4096])  # an older copy: truncated when opened
+    seen: list[bytes] = []
+    result = _native.copy_file(src, dst, on_open=lambda: seen.append(dst.read_bytes()))
+    assert len(seen) == 1 and seen[0].strip(b"\0") == b""  # empty, or reserved as zeros
+    assert result.nbytes == len(data) and dst.read_bytes() == data
+
+
 def test_copy_file_missing_source_names_path(tmp_path):
     missing = tmp_path / "nope"
     with pytest.raises(NotFoundError) as info:

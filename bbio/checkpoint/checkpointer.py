@@ -256,8 +256,10 @@ class Checkpointer:
         integral = isinstance(step, numbers.Integral) and not isinstance(step, bool)
         step = int(step) if integral else step
         same_arguments(comm, f"checkpoint {self.name}: save", {"step": step})
+        made_step_dir = False
 
         def check() -> tuple:
+            nonlocal made_step_dir
             if not integral:
                 raise UsageError(f"checkpoint steps are integers, not {step!r}")
             layout.step_dirname(step)
@@ -275,6 +277,7 @@ class Checkpointer:
                 free = files.free_bytes(self.bb_dir) + drain.spare_bytes(self.bb_dir, self.node)
                 old_copy = self._has_bb_copy(step)
                 (self.bb_dir / layout.step_dirname(step)).mkdir(parents=True, exist_ok=True)
+                made_step_dir = True
             return (
                 layout.layout_of(arrays),
                 spec,
@@ -285,7 +288,12 @@ class Checkpointer:
                 user_attrs,
             )
 
-        checked = agreed_allgather(comm, f"checkpoint {self.name} step {step}: checking", check)
+        try:
+            checked = agreed_allgather(comm, f"checkpoint {self.name} step {step}: checking", check)
+        except BBIOError:  # a rank's check failed: no node writes, no directory stays
+            if made_step_dir:
+                self._drop_unused_bb_step_dir(step)
+            raise
         kinds = {kind for kind, *_ in checked}
         if len(kinds) != 1:
             self._drop_unused_bb_step_dir(step)

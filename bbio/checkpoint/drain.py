@@ -428,14 +428,24 @@ def _copy_verified(
     """Copy ``task``'s node file to ``temp``, flush it and read it back, write its PFS
     record meanwhile, and rename both into place: the record, or None if the file was
     saved again meanwhile (nothing renamed).  Leaves its temporary files to the caller."""
-    result = _native.copy_file(task.source, temp, checksum=True, sequential=True)
     # The commit needs the description (then it reads nothing on the PFS).  It is
-    # read from the BB copy during the flush, and after the copy opened the file:
-    # a file saved again meanwhile shows the new save's time, never the old.  The
-    # record is written then too, under its temporary name, and renamed after the
+    # read from the BB copy by a thread while the bytes are copied, started once
+    # the copy opened the file: a file saved again before it is read shows the new
+    # save's time, never the old (one saved later, a new BB record, read again
+    # before the renames).  Started earlier, it would hold the interpreter while
+    # the copy is set up; after the copy, while the flush starts.  The record is
+    # written during the flush, under its temporary name, and renamed after the
     # node file once both are durable and the copy reads back right.
     with ThreadPoolExecutor(1) as pool:
-        preparing = pool.submit(_prepare_record, task, record_path, result)
+        described: list[futures.Future] = []
+
+        def describe_meanwhile() -> None:
+            described.append(pool.submit(describe_node_file, task.source, task.node))
+
+        result = _native.copy_file(
+            task.source, temp, checksum=True, sequential=True, on_open=describe_meanwhile
+        )
+        preparing = pool.submit(_prepare_record, task, record_path, result, described[0])
         try:
             size, crc = _seal_reading_back(temp, task)
         finally:
@@ -469,11 +479,15 @@ def _copy_verified(
 
 
 def _prepare_record(
-    task: Task, record_path: Path, copied: _native.CopyResult
+    task: Task,
+    record_path: Path,
+    copied: _native.CopyResult,
+    described: futures.Future,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Describe ``task``'s node file (from the BB copy) and write its PFS record, of the
-    ``copied`` size and CRC32C, under its temporary name, durably: (record, contents)."""
-    contents = describe_node_file(task.source, task.node)
+    """Write the PFS record of ``task``'s node file, of the ``copied`` size and CRC32C
+    and its ``described`` contents, under its temporary name, durably:
+    (record, contents)."""
+    contents = described.result()
     record = {
         "size": copied.nbytes,
         "crc32c": copied.crc32c,
