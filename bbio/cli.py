@@ -386,13 +386,14 @@ def launched_rank() -> int:
     return 0
 
 
-USAGE_EXIT_DELAY_SECONDS = 1.0
+USAGE_EXIT_DELAY_SECONDS = 10.0  # mpirun ends the job at rank 0's exit; srun waits
 
 
 def _let_the_first_rank_speak() -> None:
-    """Under a launcher, every rank meets a usage error at once and the launcher ends
-    the job as soon as one rank has failed: the other ranks wait a moment, so that
-    the first rank, which alone prints it, gets the message out."""
+    """Under a launcher, every rank meets a usage error at once and the launcher may end
+    the job as soon as one rank has failed: the other ranks wait (a busy machine may
+    start the first rank seconds late), so that the first rank, which alone prints
+    it, gets the message out."""
     if launched_rank() > 0:
         time.sleep(USAGE_EXIT_DELAY_SECONDS)
 

@@ -28,6 +28,7 @@ def test_suites_register_themselves():
     assert (args.suite, args.quick, args.json, args.dir) == ("copy", True, "x.json", "/tmp")
 
 
+@pytest.mark.timeout(400)  # its subprocess may take 300 s
 def test_copy_suite_quick_writes_documented_json(tmp_path):
     out = tmp_path / "copy.json"
     result = run_python(

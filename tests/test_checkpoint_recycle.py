@@ -169,6 +169,7 @@ def test_a_rank_failing_in_a_rewrite_fails_the_save_everywhere_and_the_next_save
         assert step == 4 and same(arrays, state(4, rank))
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 def test_a_spare_counts_as_room_in_a_burst_buffer_that_holds_four_files(comm, shared_tmp):
     """Both nodes' burst buffers share a tmpfs that holds a checkpoint and a spare per node
     and 1.5 MiB more: less than a save needs beside them, enough once its spare counts."""

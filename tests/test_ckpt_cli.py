@@ -185,6 +185,7 @@ def test_wait_without_a_copy_here_suggests_step(tmp_path):
     assert "Wait for a given step with --step" in waited.stderr
 
 
+@pytest.mark.timeout(700)  # two jobs of up to 300 s each
 def test_a_rank_killed_during_save_never_leaves_a_restorable_partial_checkpoint(tmp_path, job):
     died = run_mpi(4, str(job), str(tmp_path), "die-while-saving", timeout=300)
     assert died.returncode != 0, "rank 1 was supposed to be killed"

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import run_python
 
 
+@pytest.mark.timeout(900)  # its subprocess may take 600 s on a slow machine
 def test_demo_stages_trains_survives_a_kill_and_restarts(tmp_path):
     root = tmp_path / "demo"
     result = run_python(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -109,6 +107,8 @@ def test_wait_all_ranks_times_out_instead_of_hanging(comm):
     if comm.Get_rank() == 0:
         with pytest.raises(bbio.BBIOTimeoutError, match="other ranks did not arrive"):
             wait_all_ranks(comm, 0.5, "late barrier")
+        for other in range(1, comm.Get_size()):
+            comm.send("timed out", dest=other)  # only now may the others arrive
     else:
-        time.sleep(1.0)
+        assert comm.recv(source=0) == "timed out"
         comm.Ibarrier().Wait()  # matches rank 0's abandoned barrier, which then completes

@@ -318,8 +318,12 @@ def world_tmp():
     """A temporary directory under /tmp that any user may use (removed afterwards)."""
     path = Path(tempfile.mkdtemp(prefix="bbio-test-", dir="/tmp"))
     path.chmod(0o777)
-    yield path
-    shutil.rmtree(path)
+    umask = os.umask(0o022)  # what root makes there, the unprivileged user may read
+    try:
+        yield path
+    finally:
+        os.umask(umask)
+        shutil.rmtree(path)
 
 
 def test_unreadable_file(world_tmp):
