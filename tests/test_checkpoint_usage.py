@@ -125,7 +125,7 @@ def test_a_different_step_on_one_rank_is_a_usage_error_everywhere(comm, shared_t
             ckpt.save(3 + (rank == 1), state(3, rank))
         assert "step: rank 0 3, rank 1 4" in same_everywhere(comm, info.value)
         comm.Barrier()
-        assert not list((shared_tmp / "bb").glob("*/ckpt/s/step-*"))  # each leader's own step
+        assert not list((shared_tmp / "bb").glob("*/ckpt/s/step-*"))  # refused before any is made
         comm.Barrier()  # every rank looked before the next save
         ckpt.save(5, state(5, rank))  # the checkpointer still works
         assert [i.step for i in ckpt.list()] == [5]
