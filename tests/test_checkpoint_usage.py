@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import bbio
+from bbio.checkpoint import drain, layout
 from tests.test_checkpoint import config_for, same, state
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -211,8 +212,6 @@ def test_a_rank_with_nothing_to_save_does_not_keep_the_checkpoint_from_committin
 
 @pytest.mark.timeout(120)  # before the fix: the save under "block" waited for ever
 def test_a_task_an_earlier_job_left_without_its_copy_blocks_nothing(comm, shared_tmp):
-    from bbio.checkpoint import drain, layout
-
     rank, size = comm.Get_rank(), comm.Get_size()
     config = config_for(comm, shared_tmp)
     node = rank // (size // 2)

@@ -430,9 +430,8 @@ class Checkpointer:
 
     def _drop_copies(self, step: int, step_dir: Path) -> None:
         """Rank 0 uncommits ``step`` on the PFS (manifest, a damaged save's marker, then every
-        node's record); each
-        node leader drops its queued task and its node's record, file and temporary file
-        in ``step_dir``."""
+        node's record); each node leader drops its queued task and its node's record, file
+        and temporary file in ``step_dir``."""
         if self.rank == 0:
             pfs_step = self.pfs_dir / layout.step_dirname(step)
             drain.manifest_path(pfs_step).unlink(missing_ok=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bbio import _native
-from bbio.errors import IntegrityError, from_oserror
+from bbio.errors import BBIOError, IntegrityError, from_oserror
 from bbio.transfer.manifest import META_DIR, Manifest
 
 TEMP_SUFFIX = ".bbio-part"
@@ -223,13 +223,15 @@ def write_bytes_atomic(path: Path, data: bytes, make_parent: bool = True) -> Non
         path.parent.mkdir(parents=True, exist_ok=True)
     temp = unique_temp_path(path)
     try:
-        _write_fsynced(temp, data, 0o644)
-        os.replace(temp, path)
-    except OSError as exc:
+        try:
+            _write_fsynced(temp, data, 0o644)
+        except OSError as exc:
+            raise _fail(exc, "write", path) from None
+        rename_durably(temp, path)
+    except BBIOError:
         with contextlib.suppress(OSError):
             temp.unlink(missing_ok=True)
-        raise _fail(exc, "write", path) from None
-    fsync_dirs([path.parent])
+        raise
 
 
 def unique_temp_path(final: Path) -> Path:
