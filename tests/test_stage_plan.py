@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from bbio.errors import IntegrityError
 from bbio.stage import plan
 from bbio.stage.plan import DestState, Piece
 from bbio.stage.walk import selected
-from bbio.transfer.files import is_temp_name, temp_name, temp_path
+from bbio.transfer.files import is_temp_name, temp_name, temp_path, unique_temp_path
 from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry, Manifest
 
 
@@ -166,3 +167,17 @@ def test_temporary_names_sit_beside_the_file_and_fit_a_file_name(name):
     assert is_temp_name(temp.name)
     assert len(os.fsencode(temp.name)) <= 255
     assert temp_name(str(final)) == str(temp)
+
+
+# GlusterFS's DHT places a name on a brick by its hash, but a name matching its default
+# rsync-hash-regex by the captured part: the rename then moves nothing between bricks.
+GLUSTER_RSYNC_HASH_REGEX = r"\.(.+)\.[^.]+"
+
+
+@pytest.mark.parametrize("name", ["global.h5", "manifest.json", "node-00001.json", "a b.bin"])
+def test_temporary_names_hash_like_their_file_on_glusterfs(name):
+    final = Path("/pfs/step") / name
+    for temp in (temp_path(final), unique_temp_path(final), unique_temp_path(final)):
+        assert is_temp_name(temp.name)
+        assert re.fullmatch(GLUSTER_RSYNC_HASH_REGEX, temp.name).group(1) == name
+    assert unique_temp_path(final) != unique_temp_path(final)

@@ -89,7 +89,7 @@ def grow_f5_after_the_walk(monkeypatch) -> None:
 
 
 def temp_files(root: Path) -> list[Path]:
-    return list(root.rglob("*.bbio-part"))
+    return list(root.rglob("*bbio-part"))
 
 
 # ------------------------------------------------------------ 1. a source missing on one node

@@ -24,6 +24,11 @@ from bbio.errors import BBIOError, IntegrityError, from_oserror
 from bbio.transfer.manifest import META_DIR, Manifest
 
 TEMP_SUFFIX = ".bbio-part"
+# Unique temporary names end in "-bbio-part", after a last dot: ".NAME.PID-RANDOM-bbio-part".
+# GlusterFS's DHT places ".NAME.ANYTHING" (one dot-free part after NAME) where it
+# places NAME (its default rsync-hash-regex), so the rename moves no file between
+# bricks and leaves no link file behind; as ".NAME.PID.RANDOM.bbio-part" would.
+UNIQUE_TEMP_SUFFIX = "-bbio-part"
 _NAME_MAX = 255
 _VERIFY_BUFFER = 4 << 20
 # fsyncs run on this many threads: the file system merges concurrent fsyncs
@@ -46,8 +51,9 @@ def temp_name(final: str) -> str:
 
 
 def is_temp_name(name: str) -> bool:
-    """True for names made by :func:`temp_path` (never staged or listed)."""
-    return name.startswith(".") and name.endswith(TEMP_SUFFIX)
+    """True for names made by :func:`temp_path` or :func:`unique_temp_path` (never staged
+    or listed)."""
+    return name.startswith(".") and name.endswith((TEMP_SUFFIX, UNIQUE_TEMP_SUFFIX))
 
 
 def _fail(exc: OSError, action: str, path: Path | str):
@@ -238,7 +244,8 @@ def unique_temp_path(final: Path) -> Path:
     """A temporary name for ``final`` that no other writer uses (process ID and a random
     part; a temporary name as :func:`is_temp_name` knows them), for files several
     processes might write at once."""
-    return final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+    unique = f"{os.getpid()}-{secrets.token_hex(4)}{UNIQUE_TEMP_SUFFIX}"
+    return final.with_name(f".{final.name}.{unique}")
 
 
 def write_temp(final: Path, data: bytes) -> None:
