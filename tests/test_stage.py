@@ -143,9 +143,13 @@ def test_leftovers_of_an_interrupted_run_are_removed(comm, shared_tmp, tree):
     src, contents = tree
     config = two_nodes(comm, shared_tmp)
     stale = [shared_tmp / "bb" / str(n) / "l" / "many" / ".gone.bin.bbio-part" for n in (0, 1)]
+    stale += [  # a manifest's, written under a unique temporary name
+        shared_tmp / "bb" / str(n) / "l" / ".bbio" / ".manifest.json.123-0123abcd-bbio-part"
+        for n in (0, 1)
+    ]
     if comm.Get_rank() == 0:
         for path in stale:
-            path.parent.mkdir(parents=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(b"half of a file that is no longer wanted")
     comm.Barrier()
     bbio.stage_in(comm, src, shared_tmp / "bb" / "{node}" / "l", config=config)

@@ -27,9 +27,9 @@ import crc32c
 import numpy as np
 import pytest
 
+from bbio.transfer import files
 from tests.conftest import MPI_ENV, REPO, run_mpi
 
-TEMP_SUFFIX = ".bbio-part"
 META = ".bbio"
 # (ranks, BBIO_RANKS_PER_NODE): both give two virtual nodes
 LAYOUTS = [pytest.param(2, "1", id="2ranks"), pytest.param(4, "2", id="4ranks")]
@@ -66,13 +66,13 @@ def final_files(root: Path) -> dict[str, Path]:
             dirs.remove(META)
         for name in names:
             path = Path(directory) / name
-            if not (name.startswith(".") and name.endswith(TEMP_SUFFIX)):
+            if not files.is_temp_name(name):
                 found[path.relative_to(root).as_posix()] = path
     return found
 
 
 def temp_files(root: Path) -> list[Path]:
-    return [Path(d) / n for d, _, names in os.walk(root) for n in names if n.endswith(TEMP_SUFFIX)]
+    return [Path(d) / n for d, _, names in os.walk(root) for n in names if files.is_temp_name(n)]
 
 
 def manifest(node_dst: Path) -> Path:

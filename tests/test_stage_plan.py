@@ -181,3 +181,10 @@ def test_temporary_names_hash_like_their_file_on_glusterfs(name):
         assert is_temp_name(temp.name)
         assert re.fullmatch(GLUSTER_RSYNC_HASH_REGEX, temp.name).group(1) == name
     assert unique_temp_path(final) != unique_temp_path(final)
+
+
+@pytest.mark.parametrize(
+    "name", [".notes-bbio-part", ".a.b-bbio-part", ".x.12-abc-bbio-part", "a.12-0123abcd-bbio-part"]
+)
+def test_a_users_file_is_not_taken_for_a_temporary_one(name):
+    assert not is_temp_name(name)

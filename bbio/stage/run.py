@@ -54,7 +54,7 @@ from bbio.stage.walk import (
     walk,
 )
 from bbio.transfer import files
-from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry, Manifest
+from bbio.transfer.manifest import DIR, FILE, META_DIR, SYMLINK, Entry, Manifest
 
 log = logging.getLogger("bbio")
 
@@ -172,7 +172,7 @@ def remove_leftovers(comm, root: Path, dirs: Sequence[Entry]) -> int:
     """Collective over ``comm``: delete temporary files an interrupted run left under ``root``,
     and let the owner write into the tree's directories again.
 
-    Looks in ``root`` and the tree's directories (dealt out over the ranks);
+    Looks in ``root``, its ``.bbio`` and the tree's directories (dealt out over the ranks);
     returns how many were removed.  Frees their space before the capacity check.
     A directory copied read-only (its source's mode, set when a run finishes)
     gets the owner's write and search bits back until this run finishes it:
@@ -181,7 +181,7 @@ def remove_leftovers(comm, root: Path, dirs: Sequence[Entry]) -> int:
 
     def remove() -> int:
         removed = 0
-        for rel in deal(["", *(d.path for d in dirs)], comm):
+        for rel in deal(["", META_DIR, *(d.path for d in dirs)], comm):
             try:
                 if rel:
                     _let_owner_write(root / rel)

@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import secrets
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,7 @@ TEMP_SUFFIX = ".bbio-part"
 # places NAME (its default rsync-hash-regex), so the rename moves no file between
 # bricks and leaves no link file behind; as ".NAME.PID.RANDOM.bbio-part" would.
 UNIQUE_TEMP_SUFFIX = "-bbio-part"
+_UNIQUE_TEMP_NAME = re.compile(r"\..+\.[0-9]+-[0-9a-f]{8}-bbio-part")
 _NAME_MAX = 255
 _VERIFY_BUFFER = 4 << 20
 # fsyncs run on this many threads: the file system merges concurrent fsyncs
@@ -53,7 +55,9 @@ def temp_name(final: str) -> str:
 def is_temp_name(name: str) -> bool:
     """True for names made by :func:`temp_path` or :func:`unique_temp_path` (never staged
     or listed)."""
-    return name.startswith(".") and name.endswith((TEMP_SUFFIX, UNIQUE_TEMP_SUFFIX))
+    if name.startswith(".") and name.endswith(TEMP_SUFFIX):
+        return True
+    return _UNIQUE_TEMP_NAME.fullmatch(name) is not None
 
 
 def _fail(exc: OSError, action: str, path: Path | str):
