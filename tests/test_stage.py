@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -21,6 +22,7 @@ from bbio.stage import run as stage_run
 from bbio.stage.pack import INDEX_NAME, read_index
 from bbio.stage.walk import walk
 from bbio.transfer.files import read_manifest
+from bbio.transfer.manifest import Entry
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -292,10 +294,80 @@ def test_a_file_that_changes_during_the_copy(comm, shared_tmp, writer_seconds):
             assert not (shared_tmp / "bb" / "0" / "hot" / "hot.log").exists()
             assert (shared_tmp / "bb" / "0" / "hot" / "calm.bin").read_bytes() == b"calm"
             assert "hot.log" not in {e.path for e in read_manifest(shared_tmp / "bb/0/hot").entries}
+            assert read_manifest(shared_tmp / "bb/0/hot").attrs["complete"] is False
     finally:
         stop.set()
         if writer:
             writer.join()
+
+
+def _change_until_copied(hot: Path, copies: list[Path], stop: threading.Event) -> None:
+    """Change ``hot`` until one of ``copies`` (its temporary or final copy) exists, then
+    replace its directory with a file: the copy saw it change, its retry finds it gone."""
+    counter = 0
+    while not stop.is_set() and not any(c.exists() for c in copies):
+        counter += 1
+        with open(hot, "ab") as f:
+            f.write(b"+")
+        os.utime(hot, ns=(counter, counter))
+        time.sleep(0.0005)
+    shutil.rmtree(hot.parent)
+    hot.parent.write_bytes(b"a file where the directory was")
+
+
+@pytest.mark.timeout(120)
+def test_a_file_gone_during_the_copy_is_skipped_alike_on_every_node(comm, shared_tmp):
+    """Shard mode: one node copies a/hot.log, sees it change, and finds its directory
+    replaced by a file when it tries again.  Every rank reports the same skip, and no
+    node's manifest lists the file or calls the copy complete."""
+    src = shared_tmp / "pfs" / "going"
+    config = two_nodes(comm, shared_tmp)
+    stop, writer = threading.Event(), None
+    if comm.Get_rank() == 0:
+        (src / "a").mkdir(parents=True)
+        (src / "a" / "hot.log").write_bytes(b"start")
+        (src / "calm.bin").write_bytes(b"calm")
+        copies = [
+            shared_tmp / "bb" / node / "going" / "a" / name
+            for node in ("0", "1")
+            for name in ("hot.log", ".hot.log.bbio-part")
+        ]
+        writer = threading.Thread(
+            target=_change_until_copied, args=(src / "a" / "hot.log", copies, stop)
+        )
+        writer.start()
+    comm.Barrier()
+    try:
+        summary = bbio.stage_in(
+            comm, src, shared_tmp / "bb" / "{node}" / "going", mode="shard", config=config
+        )
+    finally:
+        stop.set()
+        if writer:
+            writer.join()
+    skips = comm.allgather([(s.path, s.reason) for s in summary.skipped])
+    assert skips == [[("a/hot.log", "removed during the copy")]] * comm.Get_size()
+    for node in ("0", "1"):
+        left = read_manifest(shared_tmp / "bb" / node / "going")
+        assert "a/hot.log" not in {e.path for e in left.entries}
+        assert left.attrs["complete"] is False
+
+
+def test_a_file_gone_since_the_walk_gets_no_checksum(comm, shared_tmp):
+    """Files found up to date whose CRC32C is unknown are read from the source: one
+    removed since the walk is left without a CRC32C (copied again by the next run), not
+    an error at the end of the stage-in."""
+    src = shared_tmp / "pfs" / "gone"
+    if comm.Get_rank() == 0:
+        src.mkdir(parents=True)
+        (src / "kept").write_bytes(b"kept")
+    comm.Barrier()
+    kept, gone = (
+        Entry(name, "file", size=4, mtime_ns=(src / "kept").stat().st_mtime_ns)
+        for name in ("kept", "gone")
+    )
+    crcs = stage_run._crcs_of_unchanged(comm, src, [kept, gone], None)
+    assert crcs == {"kept": crc32c_package.crc32c(b"kept")}
 
 
 def test_stage_out_merges_nodes_and_refuses_conflicts(comm, shared_tmp):

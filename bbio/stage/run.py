@@ -246,18 +246,32 @@ def _finish_dirs(root: Path, dirs: Sequence[Entry]) -> None:
     files.fsync_dirs([root, *(root / d.path for d in dirs)])
 
 
-def _refresh(comm, root: Path, paths: Sequence[str]) -> dict[str, Entry]:
-    """Collective over ``comm``: re-stat ``paths`` under ``root`` (files that changed)."""
-    fresh = {}
-    for path in deal(sorted(paths), comm):
-        try:
-            st = os.stat(root / path)
-        except FileNotFoundError:
-            continue
-        fresh[path] = Entry(
-            path, FILE, size=st.st_size, mtime_ns=st.st_mtime_ns, mode=st.st_mode & 0o7777
-        )
-    return allgather_dict(comm, fresh)
+def _refresh(job: _Transfer, paths: Sequence[str]) -> dict[str, Entry]:
+    """Collective over ``job.comm``: re-stat this node's ``paths`` under the source (files
+    that changed), shared among the node's ranks; a path gone (or no longer under a
+    directory) is left out.  Any other failure is every rank's error."""
+    topo = job.topo
+
+    def stat_share() -> tuple[int, dict[str, Entry]]:
+        fresh = {}
+        for path in deal(sorted(paths), topo.node_comm):
+            try:
+                st = os.stat(job.src_root / path)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            except OSError as exc:
+                raise from_oserror(exc, "look again at", job.src_root / path) from None
+            fresh[path] = Entry(
+                path, FILE, size=st.st_size, mtime_ns=st.st_mtime_ns, mode=st.st_mode & 0o7777
+            )
+        return topo.node, fresh
+
+    what = f"{job.label}: looking again at the files that changed"
+    merged: dict[str, Entry] = {}
+    for node, fresh in agreed_allgather(job.comm, what, stat_share):
+        if node == topo.node:
+            merged.update(fresh)
+    return merged
 
 
 # ------------------------------------------------------------ copy and commit
@@ -454,10 +468,9 @@ def _copy_round(job: _Transfer, todo: list[Entry], progress: Progress) -> _Copie
                 files.temp_path(dst_root / path).unlink(missing_ok=True)
             break
         time.sleep(RETRY_BACKOFF_SECONDS * attempt)
-        fresh = _refresh(topo.node_comm, src_root, sorted(changed))
-        job.skipped.extend(
-            Skipped(p, "removed during the copy") for p in sorted(changed - set(fresh))
-        )
+        fresh = _refresh(job, sorted(changed))
+        removed = set().union(*comm.allgather(changed - set(fresh)))  # every node's
+        job.skipped.extend(Skipped(p, "removed during the copy") for p in sorted(removed))
         if comm.Get_rank() == 0:
             log.info("%s: %d file(s) changed while copied; copying again", label, len(all_changed))
         todo = [fresh[p] for p in sorted(changed) if p in fresh]
@@ -502,7 +515,7 @@ def _crcs_of_unchanged(
     once over ``comm``'s ranks, whichever nodes need it: stage-in reads the
     source, so that ``--verify`` then checks the copy against it, not against
     itself.  A file that no longer has the size and mtime it had when the walk
-    saw it gets no CRC32C (it is copied again by the next run).
+    saw it, or is gone, gets no CRC32C (it is copied again by the next run).
     """
     known = old.by_path() if old else {}
     crcs, unknown = {}, set()
@@ -519,8 +532,11 @@ def _crcs_of_unchanged(
     def read() -> dict[str, int]:
         found = {}
         for path, size, mtime_ns in deal(everyone, comm):
-            crc = files.checksum_file(root / path)[1]
-            st = os.stat(root / path)
+            try:
+                crc = files.checksum_file(root / path)[1]
+                st = os.stat(root / path)
+            except (FileNotFoundError, NotADirectoryError):  # bbio's errors of those too
+                continue  # removed since the walk: no CRC32C
             if (st.st_size, st.st_mtime_ns) == (size, mtime_ns):
                 found[path] = crc
         return found
@@ -762,9 +778,10 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
                         "verified": verify,
                         "skipped": [dataclasses.asdict(s) for s in skipped],
                         # special files and symlinks out of SRC are never copied, nor
-                        # listed by a reader's walk: only what a filter or an
-                        # unreadable file left out makes the copy incomplete
-                        "complete": not (include or exclude or problems),
+                        # listed by a reader's walk: only what a filter, an unreadable
+                        # file or the copy (a file that kept changing or was removed)
+                        # left out makes the copy incomplete
+                        "complete": not (include or exclude or len(skipped) > len(tree.skipped)),
                     },
                 ),
             )
