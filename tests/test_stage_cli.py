@@ -644,3 +644,59 @@ def test_verify_detects_a_corrupted_byte(tmp_path, small_src, n, rpn):
     repaired = verify()
     assert_ok(repaired)
     assert summary_count(repaired.stdout, "problems") == 0
+
+
+_READ_ONLY_CHANGE = """
+import os, sys, threading, time
+from pathlib import Path
+from mpi4py import MPI
+import bbio
+
+src, dst = Path(sys.argv[1]), Path(sys.argv[2])
+hot = src / "f"
+
+
+def change_for_a_while():
+    end = time.monotonic() + 0.3
+    counter = 0
+    while time.monotonic() < end:
+        counter += 1
+        os.chmod(hot, 0o644)
+        with open(hot, "ab") as f:
+            f.write(b"+")
+        os.chmod(hot, 0o444)
+        os.utime(hot, ns=(counter, counter))
+        time.sleep(0.0005)
+
+
+writer = threading.Thread(target=change_for_a_while)
+writer.start()
+try:
+    summary = bbio.stage_in(MPI.COMM_WORLD, src, dst)
+finally:
+    writer.join()
+print(summary.files, (dst / "f").read_bytes() == hot.read_bytes(), oct((dst / "f").stat().st_mode))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_read_only_file_that_changed_is_copied_again_without_root_powers(tmp_path):
+    """Its first copy is sealed read-only, like its source: the retry must not need to
+    open that copy for writing (a user's job cannot; root without DAC override stands in)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"v1" * 50)
+    os.chmod(src / "f", 0o444)
+    dst = tmp_path / "bb"
+    caps = "-dac_override,-dac_read_search"
+    as_a_user = ["setpriv", f"--inh-caps={caps}", f"--bounding-set={caps}"]
+    command = ["mpirun", "-n", "1", sys.executable, "-c", _READ_ONLY_CHANGE, str(src), str(dst)]
+    result = subprocess.run(
+        [*(as_a_user if os.geteuid() == 0 else []), *command],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **MPI_ENV, "BBIO_BB_ROOT": str(tmp_path / "bbroot")},
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["1", "True", "0o100444"]

@@ -468,7 +468,9 @@ def _copy_round(job: _Transfer, todo: list[Entry], progress: Progress) -> _Copie
                 files.temp_path(dst_root / path).unlink(missing_ok=True)
             break
         time.sleep(RETRY_BACKOFF_SECONDS * attempt)
-        fresh = _refresh(job, sorted(changed))
+        if topo.is_leader:  # sealed with the source's mode, maybe read-only: made anew
+            _remove_temps(dst_root, all_changed)
+        fresh = _refresh(job, sorted(changed))  # collective: after every node's removal
         removed = set().union(*comm.allgather(changed - set(fresh)))  # every node's
         job.skipped.extend(Skipped(p, "removed during the copy") for p in sorted(removed))
         if comm.Get_rank() == 0:
