@@ -13,6 +13,7 @@ import pytest
 
 import bbio
 from bbio.stage import pack as pack_module
+from bbio.transfer import files
 from tests.test_stage import files_under, same_on_all_ranks, two_nodes
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -210,6 +211,8 @@ def test_a_copy_found_damaged_is_copied_again_by_the_next_run(comm, shared_tmp, 
     message = same_everywhere(comm, info.value)
     assert str(victim) in message and "rerun the command" in message, message
     assert "were deleted" in message and not victim.exists()
+    left = files.read_manifest(shared_tmp / "bb" / "1" / "v")  # no longer lists the victim
+    assert "d1/f3.bin" not in {e.path for e in left.entries} and not left.attrs["complete"]
     again = bbio.stage_in(comm, src, dst, verify=True, config=config)
     assert again.verified and again.files == 1  # the damaged copy, on node 1
     assert victim.read_bytes() == (src / "d1" / "f3.bin").read_bytes()

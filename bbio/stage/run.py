@@ -578,12 +578,13 @@ def _verify_copies(
 
     A copy that differs must be copied again, but a rerun skips a file of the
     source's size and mtime: with ``delete`` (burst-buffer copies, which the
-    reader would otherwise still serve) it is deleted, else (a stage-out's
+    reader would otherwise still serve) it is deleted, and withdrawn from the
+    manifest ``root`` has (by ``comm``'s first rank), else (a stage-out's
     destination, the user's results) its mtime is set to 0 and its bytes kept.
     The source is never touched.
     """
 
-    def check() -> list[str]:
+    def check() -> list[tuple[str, str]]:
         bad = []
         for path in deal(sorted(crcs), comm):
             size, crc = files.checksum_file(root / path, drop_cache=True)
@@ -597,12 +598,20 @@ def _verify_copies(
                 except OSError as exc:
                     raise from_oserror(exc, "mark the damaged copy", root / path) from None
                 bad.append(
-                    f"{root / path} (expected {entries[path].size} bytes, CRC32C "
-                    f"{crcs[path]:08x}; read {size} bytes, {crc:08x})"
+                    (
+                        path,
+                        f"{root / path} (expected {entries[path].size} bytes, CRC32C "
+                        f"{crcs[path]:08x}; read {size} bytes, {crc:08x})",
+                    )
                 )
         return bad
 
-    bad = sorted(b for part in agreed_allgather(comm, f"re-reading {root}", check) for b in part)
+    found = sorted(b for part in agreed_allgather(comm, f"re-reading {root}", check) for b in part)
+    if delete and found and comm.Get_rank() == 0:
+        committed = files.read_manifest(root)
+        if committed is not None:  # a previous run's, which lists the deleted copies
+            files.withdraw_entries(root, committed, [path for path, _ in found])
+    bad = [message for _, message in found]
     if bad:
         done = "were deleted" if delete else "were marked (mtime 0) to be copied again"
         raise IntegrityError(
