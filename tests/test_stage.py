@@ -464,5 +464,40 @@ def test_pack_and_read_back_with_plain_h5py(comm, shared_tmp, tree):
     assert (shared_tmp / "bb" / "1" / "p" / INDEX_NAME).exists()
 
 
+def test_packing_again_withdraws_the_old_index_first(comm, shared_tmp):
+    """A pack into the directory of an earlier one replaces its shards: one that fails
+    midway leaves no index (never the old one, naming shards that now hold other
+    samples); one that succeeds removes the shards its index no longer lists."""
+    src, out = shared_tmp / "pfs" / "repack", shared_tmp / "pfs" / "repacked"
+    config = two_nodes(comm, shared_tmp)
+    if comm.Get_rank() == 0:
+        src.mkdir(parents=True)
+        for name in "bcde":
+            (src / name).write_bytes(name.encode() * 1000)
+    comm.Barrier()
+    assert bbio.pack(comm, src, out, shard_size=1000, config=config).shards == 4
+    if comm.Get_rank() == 0:
+        (src / "a").write_bytes(b"a" * 1000)  # every sample moves one place on
+        (out / "shard-00001.h5").unlink()
+        (out / "shard-00001.h5").mkdir()  # the new shard 1 cannot be renamed into place
+        (out / ".shard-00009.h5.bbio-part").write_bytes(b"a killed pack's")
+    comm.Barrier()
+    with pytest.raises(bbio.BBIOError, match=r"shard-00001\.h5"):
+        bbio.pack(comm, src, out, shard_size=1000, config=config)
+    with pytest.raises(bbio.NotFoundError, match="no index"):
+        read_index(out)
+    assert not (out / ".shard-00009.h5.bbio-part").exists()
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        (out / "shard-00001.h5").rmdir()
+        for name in "ab":
+            (src / name).unlink()
+    comm.Barrier()
+    assert bbio.pack(comm, src, out, shard_size=1000, config=config).shards == 3
+    assert sorted(p.name for p in out.iterdir()) == [INDEX_NAME] + [
+        f"shard-0000{i}.h5" for i in range(3)
+    ]
+
+
 def test_module_level_api_matches_stage_run():
     assert bbio.stage_in is stage_run.stage_in and bbio.stage_out is stage_run.stage_out

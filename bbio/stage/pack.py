@@ -225,6 +225,34 @@ def _check_capacity(out: Path, shards: Sequence[Sequence[Entry]]) -> None:
         )
 
 
+def _withdraw_index(out: Path) -> None:
+    """Remove the index of an earlier pack into ``out``, durably, before any of its shards
+    is replaced: a pack that fails midway then leaves no index, never one that names
+    shards holding other samples."""
+    index = out / INDEX_NAME
+    if index.exists():
+        index.unlink()
+        files.fsync_dirs([out])
+
+
+def _remove_leftovers(out: Path) -> None:
+    """Remove the temporary shard files a failed or killed pack left in ``out``."""
+    with os.scandir(out) as entries:
+        leftovers = [e.path for e in entries if files.is_temp_name(e.name) and e.is_file()]
+    for path in leftovers:
+        os.unlink(path)
+
+
+def _remove_shards_beyond(out: Path, count: int) -> None:
+    """Remove the shards of an earlier, larger pack into ``out`` that the index just written
+    (of ``count`` shards) does not list (best effort: they are no longer read)."""
+    index = count
+    while (out / shard_name(index)).exists():
+        with contextlib.suppress(OSError):
+            (out / shard_name(index)).unlink()
+        index += 1
+
+
 def pack(
     comm,
     src: str | os.PathLike,
@@ -238,7 +266,9 @@ def pack(
     """Collective over ``comm``: pack the files of ``src`` into HDF5 shards in ``out``.
 
     Shards hold files in path order, at most ``shard_size`` bytes each; the
-    ranks write different shards.  ``out/bbio-pack.json`` is written last.
+    ranks write different shards.  ``out/bbio-pack.json`` is written last; an
+    earlier pack's index in ``out`` is removed first (while this runs, and if it
+    fails, ``out`` is no pack), and its shards beyond the new ones after.
     Every rank must pass the same arguments; ``out`` (one directory, no
     ``{node}``) must not lie inside ``src`` and needs room for the shards,
     which is checked first: else every rank raises the same error.
@@ -277,8 +307,10 @@ def pack(
         if comm.Get_rank() == 0:
             try:
                 out.mkdir(parents=True, exist_ok=True)
+                _withdraw_index(out)
+                _remove_leftovers(out)
             except OSError as exc:
-                raise from_oserror(exc, "create the output directory", out) from None
+                raise from_oserror(exc, "prepare the output directory", out) from None
             _check_capacity(out, shards)
     infos: list[ShardInfo] = []
     with agreed(comm, "pack: writing shards"):
@@ -298,6 +330,7 @@ def pack(
                     "shards": [dataclasses.asdict(i) for i in infos],
                 },
             )
+            _remove_shards_beyond(out, len(infos))
     unmatched = (include or exclude) and not tree.files
     return PackSummary(
         len(tree.files),
