@@ -32,6 +32,26 @@ def test_up_to_date_compares_kind_size_mtime_and_target():
     assert not plan.up_to_date(link, DestState(SYMLINK, 0, 0, "b"))
 
 
+def test_to_chmod_lists_current_files_whose_permission_bits_changed():
+    entries = [
+        Entry("d", DIR, mode=0o755),
+        Entry("same", FILE, size=1, mtime_ns=1, mode=0o644),
+        Entry("private", FILE, size=1, mtime_ns=1, mode=0o600),
+        Entry("stale", FILE, size=2, mtime_ns=1, mode=0o600),  # copied again instead
+        Entry("setgid", FILE, size=1, mtime_ns=1, mode=0o2644),  # only 0o777 is compared
+        Entry("unknown", FILE, size=1, mtime_ns=1, mode=0o600),
+    ]
+    dest = {
+        "d": DestState(DIR, 0, 1),
+        "same": DestState(FILE, 1, 1, mode=0o644),
+        "private": DestState(FILE, 1, 1, mode=0o644),
+        "stale": DestState(FILE, 1, 1, mode=0o644),
+        "setgid": DestState(FILE, 1, 1, mode=0o644),
+        "unknown": DestState(FILE, 1, 1),
+    }
+    assert [e.path for e in plan.to_chmod(entries, dest)] == ["private"]
+
+
 def test_to_copy_skips_directories_and_current_files():
     entries = [Entry("d", DIR), f("d/a", 1), f("d/b", 2)]
     dest = {"d/a": DestState(FILE, 1, 1)}

@@ -131,3 +131,38 @@ def test_job_and_user_in_a_source_path_are_expanded(comm, shared_tmp):
     bbio.pack(comm, template, shared_tmp / "pfs" / "packed-{job}", config=config)
     assert (shared_tmp / "bb" / "1" / "in" / "f").read_bytes() == b"f"
     assert (shared_tmp / "pfs" / "packed-77" / "bbio-pack.json").exists()
+
+
+@pytest.mark.parametrize("direction", ["in", "out"])
+def test_a_mode_change_alone_reaches_the_copy_without_copying_it(comm, shared_tmp, direction):
+    """A file made private after its copy keeps its size and mtime: a rerun gives the
+    copy the new mode (a copy left readable by others would leak it) without copying."""
+    config = two_nodes(comm, shared_tmp)
+    node = comm.Get_rank() // (comm.Get_size() // 2)
+    if direction == "in":
+        src, dst = shared_tmp / "pfs" / "modes", shared_tmp / "bb" / "{node}" / "modes"
+        sources, copies = [src], [shared_tmp / "bb" / n / "modes" for n in ("0", "1")]
+        stage, first = bbio.stage_in, comm.Get_rank() == 0
+    else:
+        src, dst = shared_tmp / "bb" / "{node}" / "results", shared_tmp / "pfs" / "results"
+        sources, copies = [shared_tmp / "bb" / str(node) / "results"], [dst]
+        stage, first = bbio.stage_out, comm.Get_rank() % (comm.Get_size() // 2) == 0
+    if first:
+        for root in sources:
+            root.mkdir(parents=True)
+            (root / f"secret-{node}" if direction == "out" else root / "secret").write_bytes(b"s")
+    comm.Barrier()
+    stage(comm, src, dst, config=config)
+    comm.Barrier()
+    if first:
+        for root in sources:
+            for secret in root.glob("secret*"):
+                os.chmod(secret, 0o600)
+    comm.Barrier()
+    again = stage(comm, src, dst, config=config)
+    assert again.files == 0
+    for root in copies:
+        for secret in root.glob("secret*"):
+            assert secret.stat().st_mode & 0o777 == 0o600
+        listed = {e.path: e.mode for e in files.read_manifest(root).entries if e.kind == "file"}
+        assert listed and set(listed.values()) == {0o600}

@@ -30,6 +30,9 @@ class Piece:
     length: int
 
 
+PERMISSION_BITS = 0o777  # compared and set again; set-ID bits a chmod may refuse are not
+
+
 @dataclasses.dataclass(frozen=True)
 class DestState:
     """What a destination path holds now (from ``lstat``)."""
@@ -38,6 +41,7 @@ class DestState:
     size: int
     mtime_ns: int
     target: str | None = None
+    mode: int | None = None  # permission bits of a file
 
 
 def up_to_date(src: Entry, dst: DestState | None) -> bool:
@@ -71,6 +75,20 @@ def not_through_symlinks(dest: Mapping[str, DestState]) -> dict[str, DestState]:
 def to_copy(entries: Iterable[Entry], dest: Mapping[str, DestState]) -> list[Entry]:
     """The files and symlinks of ``entries`` whose destination is missing or different."""
     return [e for e in entries if e.kind != DIR and not up_to_date(e, dest.get(e.path))]
+
+
+def to_chmod(entries: Iterable[Entry], dest: Mapping[str, DestState]) -> list[Entry]:
+    """The files of ``entries`` up to date in ``dest`` but for their permission bits (the
+    source was chmod-ed since its copy): given the source's mode, not copied again."""
+
+    def mode_differs(e: Entry, now: DestState | None) -> bool:
+        return now is not None and now.mode is not None and now.mode != e.mode & PERMISSION_BITS
+
+    return [
+        e
+        for e in entries
+        if e.kind == FILE and up_to_date(e, dest.get(e.path)) and mode_differs(e, dest.get(e.path))
+    ]
 
 
 def split_pieces(files: Iterable[Entry], chunk_size: int) -> list[Piece]:

@@ -131,7 +131,8 @@ def dest_state(comm, root: Path, paths: Sequence[str]) -> dict[str, plan.DestSta
             elif stat.S_ISDIR(st.st_mode):
                 found[path] = plan.DestState(DIR, 0, st.st_mtime_ns)
             else:
-                found[path] = plan.DestState(FILE, st.st_size, st.st_mtime_ns)
+                mode = st.st_mode & plan.PERMISSION_BITS
+                found[path] = plan.DestState(FILE, st.st_size, st.st_mtime_ns, mode=mode)
         return found
 
     merged: dict[str, plan.DestState] = {}
@@ -237,6 +238,16 @@ def _make_dirs(root: Path, dirs: Iterable[Entry], node: int | None) -> None:
                 node=node,
                 hint="choose a destination you may write to, or move what is in the way",
             ) from None
+
+
+def _set_modes(root: Path, changed: Sequence[Entry]) -> None:
+    """Give the copies of ``changed`` (up to date but for their mode) their source's mode.
+    Not collective."""
+    for e in changed:
+        try:
+            os.chmod(root / e.path, e.mode & plan.PERMISSION_BITS)
+        except OSError as exc:
+            raise from_oserror(exc, "set the mode of", root / e.path) from None
 
 
 def _finish_dirs(root: Path, dirs: Sequence[Entry]) -> None:
@@ -728,6 +739,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     with agreed(comm, "stage-in: looking at the destination"):
         current = dest_state(topo.node_comm, dst_root, [e.path for e in mine])
     todo = plan.to_copy(mine, current)
+    chmod = plan.to_chmod(mine, current)
     old = _previous_manifest(comm, topo.node_comm, dst_root, todo, "stage-in")
     with agreed(comm, "stage-in: removing what an interrupted run left"):
         remove_leftovers(topo.node_comm, dst_root, dirs)
@@ -743,6 +755,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     with agreed(comm, "stage-in: creating directories"):
         if topo.is_leader:
             _make_dirs(dst_root, dirs, topo.node)
+            _set_modes(dst_root, chmod)
     broadcast = mode == "replicate" and topo.nodes > 1
     job = _Transfer(
         comm, topo, config, "stage-in", src, dst_root, broadcast, skip_unreadable, skipped
@@ -919,6 +932,7 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
     everything = [merged[p] for p in sorted(merged)]
     current = dest_state(comm, dst_root, [e.path for e in everything])
     todo_all = plan.to_copy(everything, current)
+    chmod = plan.to_chmod(everything, current)
     differing = _differing_copies(comm, topo, src_root, trees, {e.path for e in todo_all})
     conflicts = sorted([*conflicts, *differing], key=lambda c: c.path)
     if conflicts:
@@ -951,6 +965,7 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
                 "free space there, or stage out fewer files (--include/--exclude)",
             )
             _make_dirs(dst_root, dirs, None)
+            _set_modes(dst_root, chmod)
     comm.Barrier()
     job = _Transfer(
         comm, topo, config, "stage-out", src_root, dst_root, False, skip_unreadable, skipped
