@@ -362,3 +362,70 @@ def test_closed_loaders_and_datasets_say_so(comm, data, prefetch):
     assert str(root / "x.raw") in str(info.value)
     with pytest.raises(bbio.UsageError, match="the dataset is closed"):
         bbio.Loader(comm, ds, batch_size=5, seed=0)
+
+
+# ------------------------------------------------------ read_planned, Loader edges
+
+
+@pytest.mark.timeout(60)  # before the fix one case hung and the other read wrong samples
+@pytest.mark.parametrize("case", ["swapped", "short"])
+def test_read_planned_with_lists_that_differ_between_ranks_is_one_usage_error(comm, data, case):
+    root, config = data
+    size = comm.Get_size()
+    with bbio.open_dataset(comm, root / "x.raw", record_bytes=4, config=config) as ds:
+        requests = [[r] for r in range(size)]
+        if last_rank(comm):
+            requests = requests[::-1] if case == "swapped" else requests[:-1]
+        with pytest.raises(bbio.UsageError) as info:
+            ds.read_planned(requests)
+        message = same_everywhere(comm, info.value)
+        expected = "passed different lists of ids" if case == "swapped" else "one list of ids per"
+        assert expected in message and str(root / "x.raw") in message, message
+        mine = ds.read_planned([[r] for r in range(size)])  # still in step, and right
+        assert mine.view(np.int32).ravel().tolist() == [comm.Get_rank()]
+
+
+@pytest.mark.timeout(60)  # before the fix the other ranks hung
+def test_a_loader_given_no_dataset_on_one_rank_is_one_usage_error(comm, data):
+    root, config = data
+    with bbio.open_dataset(comm, root / "x.raw", record_bytes=4, config=config) as ds:
+        mine = str(root / "x.raw") if last_rank(comm) else ds
+        with pytest.raises(bbio.UsageError) as info:
+            bbio.Loader(comm, mine, batch_size=3, seed=0, prefetch=0)
+        message = same_everywhere(comm, info.value)
+        assert "Loader needs a dataset opened with open_dataset, not str" in message, message
+        assert len(ds.read([0])) == 1  # still in step
+
+
+def test_a_prefetching_loader_is_iterated_once(comm, data):
+    root, config = data
+    with (
+        bbio.open_dataset(comm, root / "x.raw", record_bytes=4, config=config) as ds,
+        bbio.Loader(comm, ds, batch_size=2, seed=0, prefetch=2) as loader,
+    ):
+        first = iter(loader)
+        with pytest.raises(bbio.UsageError, match="can be iterated once"):
+            iter(loader)  # before the fix: a second thread sharing the first one's queue
+        assert sum(1 for _ in first) == len(loader)
+
+
+def test_structured_samples_keep_their_fields(comm, data, shared_tmp):
+    root, config = data
+    record = np.dtype([("id", "<i4"), ("value", "<f8")])
+    if comm.Get_rank() == 0:
+        table = np.zeros(6, dtype=record)
+        table["id"], table["value"] = np.arange(6), np.arange(6) / 2
+        table.tofile(root / "table.raw")
+        with h5py.File(root / "table.h5", "w") as f:
+            f.create_dataset("rows", data=table)
+    comm.Barrier()
+    opened = [
+        bbio.open_dataset(comm, root / "table.raw", sample_shape=(1,), dtype=record, config=config),
+        bbio.open_dataset(comm, root / "table.h5", dataset="rows", config=config),
+    ]
+    for ds in opened:
+        with ds:
+            got = ds.read([4, 1])
+            assert got.dtype.names == ("id", "value"), got.dtype
+            assert got["id"].ravel().tolist() == [4, 1]
+            assert got["value"].ravel().tolist() == [2.0, 0.5]

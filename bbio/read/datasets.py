@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import numbers
 import os
 import uuid
@@ -48,7 +49,7 @@ from bbio.errors import (
     UsageError,
     from_oserror,
 )
-from bbio.mpi import agreed, all_agree, same_arguments, topology, wait_quietly
+from bbio.mpi import agreed, agreed_allgather, all_agree, same_arguments, topology, wait_quietly
 from bbio.read.plan import (
     Extents,
     Holders,
@@ -115,7 +116,7 @@ class Layout:
     file_sizes: list[int]
     extents: Extents
     sample_shape: tuple[int, ...] | None  # None: variable-size samples (bytes)
-    dtype: str | None
+    dtype: np.dtype | None  # kept whole: a structured dtype keeps its fields
 
 
 def _stripe_size(path: str) -> int:
@@ -240,7 +241,7 @@ def _fixed_layout(
         base + np.arange(count, dtype=np.int64) * record,
         np.full(count, record, dtype=np.int64),
     )
-    return Layout(kind, [str(path)], [size], extents, tuple(shape), dtype.str)
+    return Layout(kind, [str(path)], [size], extents, tuple(shape), dtype)
 
 
 def _hdf5_layout(path: Path, read_path: Path, dataset: str | None) -> Layout:
@@ -497,28 +498,58 @@ class Dataset:
         for item in everyone:
             if isinstance(item, UsageError):
                 raise item
-        return self.read_planned(everyone)
+        for r, ids in enumerate(everyone):
+            self._check_ids(ids, r)
+        return self._read_planned(everyone)
 
     def read_planned(self, requests: Sequence[np.ndarray]) -> np.ndarray | list[np.ndarray]:
         """Collective over the dataset's communicator: like :meth:`read`, with every
         rank's ids already known.
 
-        ``requests[r]`` holds rank r's ids (every rank passes the same list);
-        the :class:`Loader` uses this to skip exchanging requests.  Each round
-        is one ``Ialltoallw`` next to an ``Iallgather`` of every aggregator's
-        status, so a failed read raises the same error on every rank; on the
-        direct path one agreement does the same.
+        ``requests[r]`` holds rank r's ids, and every rank passes the same list:
+        one small allgather of a digest checks it (another length, bad ids or
+        lists that differ between ranks raise the same :class:`UsageError` on
+        every rank).  Each round is one ``Ialltoallw`` next to an
+        ``Iallgather`` of every aggregator's status, so a failed read raises the
+        same error on every rank; on the direct path one agreement does the same.
         """
         self.check_open()
-        rank, size = self.comm.Get_rank(), self.comm.Get_size()
+        checked: list[np.ndarray] = []
+
+        def check() -> str:
+            checked.extend(self._valid_requests(requests))
+            digest = hashlib.sha256(np.array([ids.size for ids in checked], np.int64).tobytes())
+            for ids in checked:
+                digest.update(ids.tobytes())
+            return digest.hexdigest()
+
+        digests = agreed_allgather(self.comm, f"read_planned of {self.path}", check)
+        if len(set(digests)) != 1:
+            differing = next(r for r, d in enumerate(digests) if d != digests[0])
+            raise UsageError(
+                f"read_planned: ranks 0 and {differing} passed different lists of ids",
+                path=self.path,
+                hint="pass every rank's ids, in rank order, the same on every rank",
+            )
+        return self._read_planned(checked)
+
+    def _valid_requests(self, requests: Sequence) -> list[np.ndarray]:
+        """``requests`` (one sequence of ids per rank) as int64 arrays; a UsageError
+        unless there is one per rank and every id is in range.  Not collective."""
+        size = self.comm.Get_size()
         if len(requests) != size:
             raise UsageError(
                 f"read_planned needs one list of ids per rank ({size}), got {len(requests)}",
                 path=self.path,
             )
-        requests = [_sample_ids(ids, r, self.path) for r, ids in enumerate(requests)]
-        for r, ids in enumerate(requests):
+        valid = [_sample_ids(ids, r, self.path) for r, ids in enumerate(requests)]
+        for r, ids in enumerate(valid):
             self._check_ids(ids, r)
+        return valid
+
+    def _read_planned(self, requests: list[np.ndarray]) -> np.ndarray | list[np.ndarray]:
+        """Collective: :meth:`read_planned` of valid ``requests``, known to be every rank's."""
+        rank = self.comm.Get_rank()
         counts = [ids.size for ids in requests]
         req_rank = np.repeat(np.arange(len(requests)), counts)
         everything = np.concatenate(requests)
@@ -648,7 +679,7 @@ class Dataset:
 
     def _output(self, count: int) -> np.ndarray | list[np.ndarray]:
         if self.fixed_size:
-            return np.empty((count, *self.layout.sample_shape), dtype=np.dtype(self.layout.dtype))
+            return np.empty((count, *self.layout.sample_shape), dtype=self.layout.dtype)
         return [np.zeros(0, dtype=np.uint8)] * count
 
     def _path(self, f: int) -> str:
@@ -905,7 +936,7 @@ def _open_arguments(path, dataset, record_bytes, sample_shape, dtype, header_byt
             raise UsageError(f"dtype={dtype!r} has no fixed size in bytes", path=path)
         if sample_shape is None:
             raise UsageError("dtype= goes with sample_shape=", path=path)
-        dtype = dt.str
+        dtype = dt
     return {
         "path": path,
         "dataset": dataset,

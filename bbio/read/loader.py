@@ -55,16 +55,14 @@ class Loader:
     ) -> None:
         from mpi4py import MPI
 
-        if not isinstance(dataset, Dataset):
-            raise UsageError(
-                f"Loader needs a dataset opened with open_dataset, not {type(dataset).__name__}"
-            )
-        dataset.check_open()
+        if not _is_communicator(comm):  # nothing to agree over, but the dataset's
+            _check_dataset(dataset)
         arguments: dict = {}
         # The caller's communicator, not the dataset's: ranks that pass different
         # datasets would wait in collectives over different communicators.
         common = comm if _is_communicator(comm) else dataset.comm
         with agreed(common, "Loader"):
+            _check_dataset(dataset)
             _check_communicator(comm, dataset)
             where = dataset.path
             arguments = {
@@ -101,6 +99,7 @@ class Loader:
         self._allowed = 0  # the background thread may fetch steps below this
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._iterated = False
         # The first epoch's shuffle is drawn now, not in the first step: for a
         # dataset of many small samples it takes tens of milliseconds.
         first = self.start_step // self._steps if self._steps else self.epochs
@@ -127,7 +126,9 @@ class Loader:
                 step += 1
 
     def _fetch(self, batches) -> tuple:
-        return batches[self.rank], self.dataset.read_planned(batches)
+        # Drawn from the seed, the batches are the same on every rank (the arguments
+        # were compared): no digest of them is compared at every step.
+        return batches[self.rank], self.dataset._read_planned(batches)
 
     def _may_fetch(self, step: int) -> bool:
         with self._turn:
@@ -154,8 +155,9 @@ class Loader:
     def __iter__(self) -> Iterator:
         """Each step is a collective read over the dataset's communicator."""
         self._check_open()
-        if self.prefetch and self._thread is not None:
+        if self.prefetch and self._iterated:
             raise UsageError("a prefetching Loader can be iterated once; create a new one")
+        self._iterated = True
         return self._batches()
 
     def _check_open(self) -> None:
@@ -204,6 +206,15 @@ class Loader:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_dataset(dataset) -> None:
+    """Raise unless ``dataset`` is an open :class:`Dataset`.  Not collective."""
+    if not isinstance(dataset, Dataset):
+        raise UsageError(
+            f"Loader needs a dataset opened with open_dataset, not {type(dataset).__name__}"
+        )
+    dataset.check_open()
 
 
 def _check_communicator(comm, dataset: Dataset) -> None:
