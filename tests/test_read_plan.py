@@ -155,6 +155,29 @@ def test_file_domains_split_the_work_between_aggregators():
             assert mine.max() < plan.read_offset[plan.read_agg == a + 1].min()
 
 
+@pytest.mark.parametrize("max_hole", [0, 1 << 20])
+def test_dense_requests_are_split_between_aggregators_too(max_hole):
+    """Every sample of a file, back to back: merged whole, it would be one range read by
+    one aggregator."""
+    files = fake_files([1 << 20])
+    extents = fixed_extents(files, 1024)
+    requests = [list(range(r, 1024, 4)) for r in range(4)]
+    plan = plan_for(
+        requests,
+        extents,
+        files,
+        rank_node=[0, 1, 2, 3],
+        aggregators=[0, 1, 2, 3],
+        max_hole=max_hole,
+    )
+    per_agg = [int(plan.read_length[plan.read_agg == a].sum()) for a in range(4)]
+    assert per_agg == [1 << 18] * 4
+    got = execute(plan, files)
+    for r, ids in enumerate(requests):
+        for p, i in enumerate(ids):
+            assert got[(r, p)] == files[0][i * 1024 : (i + 1) * 1024].tobytes()
+
+
 @pytest.mark.parametrize("round_bytes", [1, 500, 3000, 1 << 30])
 def test_rounds_cut_each_aggregator_buffer_in_order_and_keep_requests_whole(round_bytes):
     files = fake_files([50_000, 20_000], seed=4)

@@ -7,14 +7,16 @@ length).  The plan:
 1. groups requests by who should serve them: a rank's own node, when that
    node's burst buffer holds the file; the lowest node holding it otherwise;
    and every aggregator when only the PFS has it;
-2. within a group, sorts the distinct extents by (file, offset) and merges
-   neighbours into one range while the hole between them is at most
-   ``max_hole`` bytes and at most ``hole_fraction`` (10%) of the two
-   neighbours' mean length: the holes then add at most 10% to the bytes
-   needed, whatever the sample size and the density of the requests;
-3. splits the group's accessed byte range into one contiguous *file domain*
-   per aggregator of the group, aligned to ``stripe``, and gives each range to
-   the aggregator whose domain holds its start;
+2. within a group, sorts the distinct extents by (file, offset), splits the
+   group's accessed byte range into one contiguous *file domain* per
+   aggregator of the group, aligned to ``stripe``, and gives each extent to the
+   aggregator whose domain holds its start;
+3. merges an aggregator's neighbouring extents into one range while the hole
+   between them is at most ``max_hole`` bytes and at most ``hole_fraction``
+   (10%) of the two neighbours' mean length: the holes then add at most 10%
+   to the bytes needed, whatever the sample size and the density of the
+   requests (a range never crosses a domain's edge, so dense requests are
+   split among the aggregators too);
 4. cuts ranges into reads of at most ``max_read`` bytes and places each
    aggregator's reads back to back in its buffer, in (file, offset) order, so
    the bytes of every request are contiguous there; it records, for every
@@ -166,30 +168,38 @@ def make_plan(
     distinct[1:] = (g_s[1:] != g_s[:-1]) | (s_s[1:] != s_s[:-1]) | (e_s[1:] != e_s[:-1])
     g_u, s_u, e_u = g_s[distinct], s_s[distinct], e_s[distinct]
     f_u = files[order][distinct]
+
+    # 3. file domains: each group's accessed span split evenly among its aggregators;
+    # an extent goes to the aggregator whose domain holds its start
+    agg_nodes = nodes[np.asarray(aggregators, dtype=np.int64)]
+    a_u = np.zeros(s_u.size, dtype=np.int64)
+    for g in np.unique(g_u).tolist():
+        members = np.flatnonzero(agg_nodes == g) if g != PFS_ONLY else np.arange(agg_nodes.size)
+        sel = np.flatnonzero(g_u == g)
+        lo, hi = int(s_u[sel].min()), int(e_u[sel].max())
+        domain = -(-max(hi - lo, 1) // members.size)
+        domain = -(-domain // stripe) * stripe
+        a_u[sel] = members[np.minimum((s_u[sel] - lo) // domain, members.size - 1)]
+
+    # neighbours of one aggregator merged into ranges (never across a domain's edge:
+    # a dense request would otherwise become one range, read by one aggregator).
     # (Overlapping extents, which samples rarely are, may start a range inside the
     # previous one: both are read, which is wasteful but correct.)
     new_range = np.ones(g_u.size, dtype=bool)
     hole = s_u[1:] - e_u[:-1]
     affordable = hole_fraction * ((e_u[1:] - s_u[1:]) + (e_u[:-1] - s_u[:-1])) / 2
     new_range[1:] = (
-        (g_u[1:] != g_u[:-1]) | (f_u[1:] != f_u[:-1]) | (hole > max_hole) | (hole > affordable)
+        (g_u[1:] != g_u[:-1])
+        | (a_u[1:] != a_u[:-1])
+        | (f_u[1:] != f_u[:-1])
+        | (hole > max_hole)
+        | (hole > affordable)
     )
     range_id = np.cumsum(new_range) - 1
     r_start = s_u[new_range]
     r_end = np.maximum.reduceat(e_u, np.flatnonzero(new_range))
-    r_group = g_u[new_range]
     r_file = f_u[new_range]
-
-    # 3. file domains: each group's accessed span split evenly among its aggregators
-    agg_nodes = nodes[np.asarray(aggregators, dtype=np.int64)]
-    r_agg = np.zeros(r_start.size, dtype=np.int64)
-    for g in np.unique(r_group).tolist():
-        members = np.flatnonzero(agg_nodes == g) if g != PFS_ONLY else np.arange(agg_nodes.size)
-        sel = np.flatnonzero(r_group == g)
-        lo, hi = int(r_start[sel].min()), int(r_end[sel].max())
-        domain = -(-max(hi - lo, 1) // members.size)
-        domain = -(-domain // stripe) * stripe
-        r_agg[sel] = members[np.minimum((r_start[sel] - lo) // domain, members.size - 1)]
+    r_agg = a_u[new_range]
 
     # 4. reads of at most max_read; each aggregator's buffer in (file, offset) order
     pieces = np.maximum(-(-(r_end - r_start) // max_read), 1)
