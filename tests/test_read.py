@@ -204,6 +204,24 @@ def test_reads_in_many_rounds_give_the_same_bytes(comm, datasets, kind):
             assert [g.tobytes() for g in got] == [expected_variable(i, sizes) for i in ids]
 
 
+@pytest.mark.parametrize("kind", ["packed", "hdf5"])
+def test_samples_longer_than_an_mpi_block_are_handed_out_in_pieces(
+    comm, datasets, kind, monkeypatch
+):
+    """Samples of 2 GiB or more overflow an MPI datatype's block length: they go in blocks
+    of at most that.  Here the limit is 7 bytes, so every sample is cut."""
+    monkeypatch.setattr(bbio.read.datasets, "MPI_BLOCK_BYTES", 7)
+    root, sizes, _ = datasets
+    path = root / ("fixed.h5" if kind == "hdf5" else "packed")
+    with bbio.open_dataset(comm, path, config=config_for(comm, root.parent)) as ds:
+        ids = my_ids(comm, seed=12, count=20)
+        got = ds.read(ids)
+        if kind == "hdf5":
+            assert got.tobytes() == np.stack([expected_fixed(i) for i in ids]).tobytes()
+        else:
+            assert [g.tobytes() for g in got] == [expected_variable(i, sizes) for i in ids]
+
+
 def test_a_read_failing_in_a_later_round_is_reported_on_every_rank(comm, datasets):
     root, _, _ = datasets
     config = config_for(comm, root.parent, read_round_bytes=256)

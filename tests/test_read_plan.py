@@ -12,6 +12,7 @@ from bbio.read.plan import (
     aggregation_pays,
     make_plan,
     reads_alone,
+    split_blocks,
     split_rounds,
 )
 
@@ -176,6 +177,16 @@ def test_dense_requests_are_split_between_aggregators_too(max_hole):
     for r, ids in enumerate(requests):
         for p, i in enumerate(ids):
             assert got[(r, p)] == files[0][i * 1024 : (i + 1) * 1024].tobytes()
+
+
+def test_blocks_longer_than_an_mpi_int_are_cut_in_order():
+    lengths, displacements = split_blocks([5, 0, 12, 3], [100, 7, 200, 0], limit=4)
+    assert lengths.tolist() == [4, 1, 0, 4, 4, 4, 3]
+    assert displacements.tolist() == [100, 104, 7, 200, 204, 208, 0]
+    big = (2**31 - 1) * 2 + 5  # a 4 GiB sample
+    lengths, displacements = split_blocks([big], [8])
+    assert lengths.tolist() == [2**31 - 1, 2**31 - 1, 5]
+    assert displacements.tolist() == [8, 8 + 2**31 - 1, 8 + 2 * (2**31 - 1)]
 
 
 @pytest.mark.parametrize("round_bytes", [1, 500, 3000, 1 << 30])

@@ -51,6 +51,7 @@ from bbio.errors import (
 )
 from bbio.mpi import agreed, agreed_allgather, all_agree, same_arguments, topology, wait_quietly
 from bbio.read.plan import (
+    MPI_BLOCK_BYTES,
     Extents,
     Holders,
     ReadPlan,
@@ -58,6 +59,7 @@ from bbio.read.plan import (
     aggregation_pays,
     make_plan,
     reads_alone,
+    split_blocks,
     split_rounds,
 )
 from bbio.stage import registry
@@ -777,6 +779,7 @@ class Dataset:
         created: list = []
 
         def indexed(lengths: np.ndarray, displacements: np.ndarray):
+            lengths, displacements = split_blocks(lengths, displacements, MPI_BLOCK_BYTES)
             kind = MPI.BYTE.Create_hindexed(lengths.tolist(), displacements.tolist()).Commit()
             created.append(kind)
             return kind

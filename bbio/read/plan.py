@@ -235,6 +235,26 @@ def make_plan(
     )
 
 
+#: the longest block an MPI datatype takes (its block lengths are C ints)
+MPI_BLOCK_BYTES = 2**31 - 1
+
+
+def split_blocks(
+    lengths: np.ndarray, displacements: np.ndarray, limit: int = MPI_BLOCK_BYTES
+) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks (bytes at displacements) cut into blocks of at most ``limit`` bytes, in order,
+    for an MPI indexed datatype: the same bytes.  Pure."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    displacements = np.asarray(displacements, dtype=np.int64)
+    pieces = np.maximum(-(-lengths // limit), 1)
+    if int(pieces.max(initial=1)) == 1:
+        return lengths, displacements
+    index = np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    start = np.repeat(displacements, pieces) + index * limit
+    end = np.repeat(displacements + lengths, pieces)
+    return np.minimum(end - start, limit), start
+
+
 @dataclasses.dataclass(frozen=True)
 class Rounds:
     """A plan cut into rounds: ``read_round[i]`` and ``req_round[j]`` in ``range(count)``."""
