@@ -259,7 +259,10 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
     for journal in done.failed:
         print(f"bbio epilog: could not drain {journal}; {done.path} is kept", file=sys.stderr)
     if done.removed:
-        print(f"bbio epilog: every queued checkpoint drained; {done.path} removed")
+        print(
+            "bbio epilog: every checkpoint file queued on this node is on the PFS (each "
+            f"checkpoint is committed once every node's files are); {done.path} removed"
+        )
     elif not done.failed:
         print(f"bbio epilog: no burst-buffer directory {done.path}: nothing to do")
     return 1 if done.failed else 0

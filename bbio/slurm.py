@@ -20,6 +20,7 @@ import multiprocessing
 import os
 import pwd
 import shutil
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,6 +28,8 @@ from pathlib import Path
 from bbio.checkpoint import admin, drain, layout
 from bbio.config import Config
 from bbio.errors import ConfigError, from_oserror
+
+ENDING_GRACE_SECONDS = 60.0  # after its timeout, the epilog's drain has this long to end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +55,9 @@ class Job:
                 hint="run this from a Slurm Prolog/Epilog, which sets SLURM_JOB_ID, "
                 "SLURM_JOB_USER and SLURM_JOB_UID",
             ) from None
-        if not job_id:
-            raise ConfigError("not run by Slurm: SLURM_JOB_ID is empty")
+        if not job_id or not user:
+            empty = "SLURM_JOB_ID" if not job_id else "SLURM_JOB_USER"
+            raise ConfigError(f"not run by Slurm: {empty} is empty")
         if gid is not None:
             return cls(job_id, user, uid, gid)
         try:
@@ -97,17 +101,23 @@ def job_dir(config: Config) -> Path:
 def journals_under(job_root: Path) -> list[Path]:
     """Every checkpoint journal under ``job_root`` (D/ckpt/NAME/.journal at any depth: the
     hooks run without MPI and cannot know a host's node index, and a checkpointer may
-    have been given its own ``bb_root`` there).  Symlinks are not followed."""
-    try:
-        return sorted(
-            journal
-            for journal in job_root.rglob(drain.JOURNAL)
-            if journal.parent.parent.name == layout.CKPT_DIR
-            and journal.is_dir()
-            and not journal.is_symlink()
-        )
-    except OSError as exc:  # changed meanwhile (another job of the user's on this node)
-        raise from_oserror(exc, "look for checkpoint journals in", job_root) from None
+    have been given its own ``bb_root`` there).  Symlinks are not followed, and the walk
+    keeps its own stack: a tree of any depth the job left is walked."""
+    found, stack = [], [job_root]
+    while stack:
+        directory = stack.pop()
+        try:
+            with os.scandir(directory) as entries:
+                subdirectories = [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            continue  # removed meanwhile
+        except OSError as exc:
+            raise from_oserror(exc, "look for checkpoint journals in", directory) from None
+        for sub in subdirectories:
+            if sub.name == drain.JOURNAL and sub.parent.parent.name == layout.CKPT_DIR:
+                found.append(sub)
+            stack.append(sub)
+    return sorted(found)
 
 
 def prolog(config: Config, job: Job) -> Path:
@@ -168,39 +178,65 @@ def epilog(config: Config, job: Job, timeout: float | None) -> Epilog:
     failed = _finish_as(job, journals_under(path), timeout)
     if failed:
         return Epilog(path, failed, False)
+    _remove_tree(path)
+    return Epilog(path, [], True)
+
+
+def _remove_tree(path: Path) -> None:
+    """Remove the job's directory, never following a symlink in it, whatever its depth."""
     try:
         shutil.rmtree(path)
+        return
     except OSError as exc:
         raise from_oserror(
             exc, "remove the job's burst-buffer directory", exc.filename or path
         ) from None
-    return Epilog(path, [], True)
+    except RecursionError:  # deeper than Python's stack: rm walks it without recursing
+        pass
+    removing = subprocess.run(
+        ["rm", "-rf", "--one-file-system", "--", os.fspath(path)], capture_output=True, text=True
+    )
+    if removing.returncode != 0:
+        raise ConfigError(
+            f"could not remove the job's burst-buffer directory: {removing.stderr.strip()}",
+            path=path,
+            hint="remove it by hand, then resume the node",
+        )
 
 
 def _finish_as(job: Job, journals: list[Path], timeout: float | None) -> list[str]:
-    """:func:`admin.finish_journals` of ``journals``, as the job's user when this runs as
-    root (a child process that drops root's privileges: the PFS sees the user's files)."""
-    if os.geteuid() != 0 or job.uid == 0:
-        return admin.finish_journals(journals, timeout)
+    """:func:`admin.finish_journals` of ``journals`` in a child process: as the job's user
+    when this runs as root (it drops root's privileges: the PFS sees the user's files),
+    and killed if it is not done ``ENDING_GRACE_SECONDS`` after ``timeout`` (a file
+    operation that never returns, on a hung PFS or a FIFO the job left, cannot hold the
+    node for ever: what it did not drain is reported and kept)."""
+    if not journals:
+        return []
     _load_drain_code()
     context = multiprocessing.get_context("fork")
     receiving, sending = context.Pipe(duplex=False)
     child = context.Process(target=_finish_in_child, args=(job, journals, timeout, sending))
     child.start()
     sending.close()
+    limit = None if timeout is None else timeout + ENDING_GRACE_SECONDS
     try:
-        failed = receiving.recv()
+        if receiving.poll(limit):
+            failed = receiving.recv()
+        else:
+            child.kill()
+            failed = [f"{j} (not drained within {limit:.0f} s: killed)" for j in journals]
     except EOFError:  # the child died before it could answer
         failed = [f"{j} (the drain as user {job.user} ended abnormally)" for j in journals]
-    child.join()
+    child.join(ENDING_GRACE_SECONDS)  # one stuck in the kernel is left behind
     return failed
 
 
 def _finish_in_child(job: Job, journals: list[Path], timeout: float | None, sending) -> None:
     try:
-        os.setgroups(os.getgrouplist(job.user, job.gid))
-        os.setgid(job.gid)
-        os.setuid(job.uid)
+        if os.geteuid() == 0 and job.uid != 0:
+            os.setgroups(os.getgrouplist(job.user, job.gid))
+            os.setgid(job.gid)
+            os.setuid(job.uid)
         sending.send(admin.finish_journals(journals, timeout))
     except Exception as exc:  # say why in the epilog's log; the parent keeps the data
         print(f"bbio epilog: draining as {job.user} failed: {exc}", file=sys.stderr)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from bbio import _native
-from bbio.checkpoint import drain, layout, restore
+from bbio.checkpoint import admin, drain, layout, restore
 from bbio.checkpoint.globalview import describe_node_file, global_view, merge_descriptions
 from bbio.checkpoint.writer import file_attrs
 from bbio.errors import BBIOError, IntegrityError, UsageError
@@ -209,6 +209,19 @@ def test_a_step_saved_again_while_draining_is_never_committed_from_mixed_saves(t
     assert drain.read_manifest(pfs_step) is None
     assert drain.run(j1, None, finish=True, timeout=60) == 0  # node 1's new task
     assert drain.read_manifest(pfs_step)["time"] == 2.5
+
+
+def test_a_task_whose_record_is_of_another_save_is_set_aside_not_retried(tmp_path):
+    """The queued task and the node's burst-buffer record disagree on the save (a record
+    changed by hand, or damaged): no copy can ever be made, and the drain must not spin."""
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    task = drain.pending(j0)[0]
+    record = task.source.parent / layout.node_record_name(0)
+    files.write_json_atomic(record, {**files.read_json(record), "time": 9.5})
+    start = time.monotonic()
+    assert drain.run(j0, None, finish=True, timeout=30) == 1  # set aside, said
+    assert time.monotonic() - start < 10
+    assert "another save" in drain.set_aside(j0)[7]["why"]
 
 
 def test_a_copy_of_a_file_saved_again_meanwhile_never_replaces_the_pfs_file(tmp_path):
@@ -697,3 +710,17 @@ def test_a_task_without_its_copy_is_set_aside_unless_its_save_is_committed(tmp_p
     result = drain.run(j0, None, finish=True, timeout=60)
     assert result == 1 and drain.pending(j0) == []  # never drainable: set aside, said
     assert "burst-buffer copy is gone" in drain.read_status(j0)["damaged"]["8"]["why"]
+
+
+def test_damaged_leftovers_of_an_older_checkpoint_do_not_fail_the_finish(tmp_path, capfd):
+    """An epilog's finish commits what is ready on the PFS too; a record there that is
+    not JSON (an older checkpoint's, damaged) is said, not a failure of this drain."""
+    journals = two_node_save(tmp_path / "bb", 5, 1.5)
+    for journal in journals:  # where a checkpointer says its checkpoints go
+        drain.set_target(journal, tmp_path / "pfs", nodes=2, keep_pfs=5)
+    old = tmp_path / "pfs" / layout.step_dirname(1)
+    old.mkdir(parents=True)
+    (old / layout.node_record_name(0)).write_text("{not json")
+    assert admin.finish_journals(journals, 60) == []
+    assert drain.read_manifest(tmp_path / "pfs" / layout.step_dirname(5))["time"] == 1.5
+    assert "committing what is ready failed" in capfd.readouterr().err

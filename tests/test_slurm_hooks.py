@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import pwd
-import shutil
+import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ def site():
         os.chown(base / "pfs", NOBODY.pw_uid, NOBODY.pw_gid)
         yield base
     finally:
-        shutil.rmtree(base)
+        subprocess.run(["rm", "-rf", "--", str(base)], check=True)  # trees of any depth
 
 
 def hook_env(site: Path) -> dict:
@@ -51,10 +52,8 @@ def hook_env(site: Path) -> dict:
 
 
 def chown_tree(path: Path, uid: int, gid: int) -> None:
-    """What the job's ranks write is the user's."""
-    for directory, subdirectories, names in os.walk(path):
-        for name in [directory, *(os.path.join(directory, n) for n in subdirectories + names)]:
-            os.chown(name, uid, gid)
+    """What the job's ranks write is the user's (``chown -R``: trees of any depth)."""
+    subprocess.run(["chown", "-R", "-h", f"{uid}:{gid}", "--", str(path)], check=True)
 
 
 @as_root
@@ -141,3 +140,62 @@ def test_the_prolog_hands_over_no_directory_it_did_not_make_for_the_user(site):
 def test_a_bb_root_the_hooks_cannot_manage_per_job_is_refused(bb_root, says):
     with pytest.raises(ConfigError, match=says):
         slurm.job_dir(slurm.job_config(Config(bb_root=bb_root), JOB))
+
+
+def test_an_empty_job_user_is_refused():
+    """{user} would else be root's name in the job's directory."""
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_USER": "", "SLURM_JOB_UID": "65534"}
+    with pytest.raises(ConfigError, match="SLURM_JOB_USER is empty"):
+        slurm.Job.from_env(env)
+
+
+def nest(root: Path, depth: int) -> Path:
+    """``root``/d/d/.../d, ``depth`` directories deep (deeper than Python recurses)."""
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        for _ in range(depth):
+            os.mkdir("d", dir_fd=fd)
+            inner = os.open("d", os.O_RDONLY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    finally:
+        os.close(fd)
+    return root
+
+
+@as_root
+def test_a_job_directory_deeper_than_python_recurses_is_drained_and_removed(site):
+    env = hook_env(site)
+    assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
+    job_dir = site / "local" / "nobody" / "bbio-4242"
+    two_node_save(job_dir, 7, 1.5, pfs_root=site / "pfs")
+    (job_dir / "deep").mkdir()
+    nest(job_dir / "deep", 1200)
+    chown_tree(job_dir, JOB.uid, JOB.gid)
+    removed = run_python("-m", "bbio", "slurm", "epilog", "--timeout", "60", env=env)
+    assert removed.returncode == 0, removed.stderr[-2000:]
+    assert not job_dir.exists()
+    assert drain.read_manifest(site / "pfs" / layout.step_dirname(7))["time"] == 1.5
+
+
+@as_root
+def test_an_epilog_stuck_on_a_fifo_the_job_left_ends_at_its_timeout(site):
+    """A record replaced by a FIFO: the drain's open() never returns.  The epilog must
+    end, keep the data and fail, not hold the node for ever."""
+    env = hook_env(site)
+    assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
+    job_dir = site / "local" / "nobody" / "bbio-4242"
+    journals = two_node_save(job_dir, 7, 1.5, pfs_root=site / "pfs")
+    record = drain.pending(journals[0])[0].source.parent / layout.node_record_name(0)
+    record.unlink()
+    os.mkfifo(record)
+    chown_tree(job_dir, JOB.uid, JOB.gid)
+    code = (
+        "from bbio import slurm, cli; slurm.ENDING_GRACE_SECONDS = 2; raise SystemExit(cli.main())"
+    )
+    started = time.monotonic()
+    result = run_python("-c", code, "slurm", "epilog", "--timeout", "3", env=env, timeout=120)
+    assert time.monotonic() - started < 60
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "not drained within 5 s: killed" in result.stderr and "is kept" in result.stderr
+    assert job_dir.exists()

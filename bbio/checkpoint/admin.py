@@ -7,6 +7,7 @@ buffer (``bb_root``, already expanded for that node) and at the PFS.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from pathlib import Path
 
@@ -207,9 +208,17 @@ def finish_journals(journals: list[Path], timeout: float | None) -> list[str]:
     deadline = None if timeout is None else time.monotonic() + timeout
     for journal in journals:
         left = None if deadline is None else max(deadline - time.monotonic(), 1.0)
-        if drain.run(journal, parent=None, finish=True, timeout=left) != 0:
-            failed.append(str(journal))
-        drain.commit_ready(journal)
+        try:
+            if drain.run(journal, parent=None, finish=True, timeout=left) != 0:
+                failed.append(str(journal))
+        except (BBIOError, OSError) as exc:  # this journal's; the next ones are drained
+            print(f"bbio drain: {journal}: {exc}", file=sys.stderr)
+            failed.append(f"{journal} ({exc})")
+            continue
+        try:
+            drain.commit_ready(journal)
+        except (BBIOError, OSError) as exc:  # this node's files are on the PFS: said, not failed
+            print(f"bbio drain: {journal}: committing what is ready failed: {exc}", file=sys.stderr)
     return failed
 
 

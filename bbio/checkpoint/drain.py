@@ -863,6 +863,10 @@ def _process(journal: Path, task: Task, commits: _Commits) -> bool:
         commits.report()
         return False
     if copy_node_file(task) is None:
+        queued = files.read_json(task_path(journal, task.step)) or {}
+        if queued.get("save_time") == task.save_time:  # not saved again: it never will copy
+            _set_aside(journal, task, "its burst-buffer record is of another save of the step")
+            commits.report()
         return False
     set_aside_path(journal, task.step).unlink(missing_ok=True)  # of an earlier save, if any
     committed = try_commit(Path(task.pfs_step_dir), task.nodes)
