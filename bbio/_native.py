@@ -8,6 +8,7 @@ Nothing here is collective.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -113,7 +114,9 @@ def copy_range(
     half, unless ``sequential`` asks for one thread writing in file order (for a
     network or FUSE destination).  Without ``checksum``, ``copy_file_range`` is
     used where the kernel supports it.  Stops early at end of file.  The paths
-    only name the files in errors.
+    only name the files in errors.  If the source shrinks during a two-thread
+    copy, the second half may have written bytes beyond the ``nbytes`` returned:
+    a caller that keeps the copy truncates it to ``nbytes`` (:func:`copy_file` does).
     """
     native = _lib()
     buf = _scratch(buffer_size)
@@ -222,11 +225,16 @@ def copy_file(
     """
     src_fd = _open(src, os.O_RDONLY, direct, "open for reading")
     try:
+        source = os.fstat(src_fd)
+        with contextlib.suppress(FileNotFoundError):
+            target = os.stat(dst)
+            if (target.st_dev, target.st_ino) == (source.st_dev, source.st_ino):
+                raise UsageError(f"copy_file: {dst} is {src} itself", path=dst)
         dst_fd = _open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct, "create")
         try:
-            size = os.fstat(src_fd).st_size
+            size = source.st_size
             try:
-                preallocated = preallocate(dst_fd, size)
+                preallocate(dst_fd, size)
             except OSError as exc:
                 raise errno_error(exc.errno, f"reserve {size} bytes for the copy", dst) from None
             if on_open is not None:
@@ -240,8 +248,8 @@ def copy_file(
                 src_path=src,
                 dst_path=dst,
             )
-            if preallocated and result.nbytes != size:
-                os.ftruncate(dst_fd, result.nbytes)  # the source shrank during the copy
+            if result.nbytes != size:  # the source shrank during the copy: no reserved
+                os.ftruncate(dst_fd, result.nbytes)  # nor stray bytes (a split copy's) beyond
             return result
         finally:
             os.close(dst_fd)
@@ -259,6 +267,14 @@ class FileCopy:
     size_after: int
     mtime_ns_after: int
     error: BaseException | None
+
+
+def _path_bytes(path: str | os.PathLike) -> bytes:
+    """``path`` encoded for C; a NUL in it would silently cut it short there."""
+    encoded = os.fsencode(path)
+    if b"\0" in encoded:
+        raise UsageError(f"a path holds a NUL byte: {path!r}")
+    return encoded
 
 
 def copy_files(
@@ -282,8 +298,12 @@ def copy_files(
     count = len(sources)
     if len(destinations) != count:
         raise UsageError("copy_files: sources and destinations must have the same length")
-    src = [ffi.new("char[]", os.fsencode(p)) for p in sources]
-    dst = [ffi.new("char[]", os.fsencode(p)) for p in destinations]
+    if (modes is None) != (mtimes_ns is None):
+        raise UsageError("copy_files: give both modes and mtimes_ns, or neither")
+    if modes is not None and not len(modes) == len(mtimes_ns) == count:
+        raise UsageError("copy_files: modes and mtimes_ns need one entry per file")
+    src = [ffi.new("char[]", _path_bytes(p)) for p in sources]
+    dst = [ffi.new("char[]", _path_bytes(p)) for p in destinations]
     copied = np.zeros(count, dtype=np.int64)
     crcs = np.zeros(count, dtype=np.uint32)
     errors = np.zeros(count, dtype=np.intc)
@@ -291,7 +311,7 @@ def copy_files(
     sizes = np.zeros(count, dtype=np.int64)
     mtimes = np.zeros(count, dtype=np.int64)
     seal_modes = seal_mtimes = ffi.NULL
-    if modes is not None and mtimes_ns is not None:
+    if modes is not None:
         seal_modes = ffi.from_buffer("uint32_t[]", np.ascontiguousarray(modes, dtype=np.uint32))
         seal_mtimes = ffi.from_buffer("int64_t[]", np.ascontiguousarray(mtimes_ns, dtype=np.int64))
     native = _lib()
@@ -365,7 +385,7 @@ def pread_batch(
         (len_arr < 0).any()
         or (off_arr < 0).any()
         or (dst_arr < 0).any()
-        or int((dst_arr + len_arr).max()) > view.nbytes
+        or (dst_arr > view.nbytes - len_arr).any()  # not dst + len: it could wrap
     ):
         raise UsageError(
             f"pread_batch: requests must have non-negative offsets and lengths and fit in "

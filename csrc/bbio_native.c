@@ -342,8 +342,10 @@ static int copy_kernel(int src_fd, int dst_fd, int64_t src_off,
             *unsupported = 1;
             return 0;
         }
-        *failed_fd = dst_fd;
-        return errno;
+        int err = errno;
+        unsigned char probe; /* which side failed: the source, if it cannot be read */
+        *failed_fd = pread(src_fd, &probe, 1, in) < 0 ? src_fd : dst_fd;
+        return err;
     }
     return 0;
 }
@@ -552,6 +554,26 @@ static int pool_wanted;           /* workers still to join the current batch */
 static int pool_active;           /* workers that joined and have not finished */
 static void *(*pool_fn)(void *);
 static void *pool_arg;
+static pthread_once_t pool_fork_once = PTHREAD_ONCE_INIT;
+
+/* A forked child has none of the parent's workers, only the thread that forked
+ * (PyTorch's DataLoader workers, for one): it starts with an empty pool and new
+ * locks, which another thread of the parent may have held at the fork. */
+static void pool_reset_in_child(void)
+{
+    pthread_mutex_init(&pool_call, NULL);
+    pthread_mutex_init(&pool_mu, NULL);
+    pthread_cond_init(&pool_work, NULL);
+    pthread_cond_init(&pool_done, NULL);
+    pool_threads = 0;
+    pool_wanted = 0;
+    pool_active = 0;
+}
+
+static void pool_watch_forks(void)
+{
+    pthread_atfork(NULL, NULL, pool_reset_in_child);
+}
 
 /* arg: the generation current when the worker was created; it joins the
  * batches that come after it (its first one is being set up by its creator). */
@@ -587,6 +609,7 @@ static void run_workers(void *(*worker)(void *), void *arg, int nthreads, int64_
         worker(arg);
         return;
     }
+    pthread_once(&pool_fork_once, pool_watch_forks);
     pthread_mutex_lock(&pool_call);
     pthread_mutex_lock(&pool_mu);
     while (pool_threads < helpers) {
@@ -662,8 +685,13 @@ static void copy_one_file(struct file_batch *b, int64_t i, void *buf)
         err = errno;
     if (!err && b->modes) {
         struct timespec times[2];
-        times[0].tv_sec = times[1].tv_sec = (time_t)(b->mtimes_ns[i] / 1000000000);
-        times[0].tv_nsec = times[1].tv_nsec = (long)(b->mtimes_ns[i] % 1000000000);
+        int64_t sec = b->mtimes_ns[i] / 1000000000, nsec = b->mtimes_ns[i] % 1000000000;
+        if (nsec < 0) { /* before 1970: the nanoseconds must be 0..999999999 */
+            nsec += 1000000000;
+            sec -= 1;
+        }
+        times[0].tv_sec = times[1].tv_sec = (time_t)sec;
+        times[0].tv_nsec = times[1].tv_nsec = (long)nsec;
         if (fchmod(dst_fd, (mode_t)(b->modes[i] & 07777)) != 0 ||
             futimens(dst_fd, times) != 0 || fsync(dst_fd) != 0) {
             err = errno;
@@ -795,6 +823,8 @@ static unsigned char *bounce(size_t need)
 /* The aligned range around the request, read into the bounce buffer. */
 static int64_t pread_aligned(int fd, unsigned char *dst, int64_t want, int64_t off)
 {
+    if (want == 0)
+        return 0; /* no bounce buffer needed (nor made) */
     int64_t start = off & ~(int64_t)(ALIGNMENT - 1);
     int64_t end = (off + want + ALIGNMENT - 1) & ~(int64_t)(ALIGNMENT - 1);
     unsigned char *tmp = bounce((size_t)(end - start));

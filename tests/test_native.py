@@ -467,3 +467,78 @@ def test_batched_calls_from_many_threads_share_the_worker_pool(tmp_path):
     os.close(fd)
     assert not any(t.is_alive() for t in threads), "a batched call hung"
     assert errors == []
+
+
+def test_a_forked_child_gets_its_own_worker_pool(tmp_path):
+    """After batched reads on worker threads, a fork (a DataLoader worker) has none of
+    those threads: its batched reads must start its own, not wait for the parent's."""
+    data = random_bytes(1 << 16, seed=3)
+    fd = os.open(write_file(tmp_path / "a", data), os.O_RDONLY)
+    try:
+        offsets = list(range(0, 1 << 16, 4096))
+        _native.pread_batch([fd] * 16, offsets, [4096] * 16, bytearray(1 << 16), threads=4)
+        child = os.fork()
+        if child == 0:  # the child: exit 0 only if its read finished and is right
+            out = bytearray(1 << 16)
+            _native.pread_batch([fd] * 16, offsets, [4096] * 16, out, threads=4)
+            os._exit(0 if bytes(out) == data else 1)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            done, status = os.waitpid(child, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.05)
+        else:
+            os.kill(child, 9)
+            os.waitpid(child, 0)
+            pytest.fail("the forked child's batched read hung")
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        os.close(fd)
+
+
+def test_pread_batch_refuses_an_output_offset_that_would_wrap(tmp_path):
+    fd = os.open(write_file(tmp_path / "a", b"x" * 100), os.O_RDONLY)
+    try:
+        for aligned in (None, [True]):
+            with pytest.raises(UsageError, match="fit in the 16-byte output buffer"):
+                _native.pread_batch([fd], [0], [1], bytearray(16), [2**63 - 1], aligned=aligned)
+        assert _native.pread_batch([fd], [0], [0], bytearray(16), aligned=[True]).tolist() == [0]
+    finally:
+        os.close(fd)
+
+
+def test_copy_files_checks_its_sealing_and_path_arguments(tmp_path):
+    sources = [write_file(tmp_path / f"s{i}", b"data") for i in range(3)]
+    destinations = [tmp_path / f"d{i}" for i in range(3)]
+    with pytest.raises(UsageError, match="one entry per file"):
+        _native.copy_files(sources, destinations, modes=[0o640], mtimes_ns=[0])
+    with pytest.raises(UsageError, match="both modes and mtimes_ns"):
+        _native.copy_files(sources, destinations, modes=[0o640] * 3)
+    with pytest.raises(UsageError, match="NUL byte"):
+        _native.copy_files(sources[:1], [tmp_path / "nul\0suffix"])
+    assert not (tmp_path / "nul").exists()
+    before_1970 = -1_500_000_001  # seconds -2, nanoseconds 499999999
+    results = _native.copy_files(
+        sources, destinations, modes=[0o600] * 3, mtimes_ns=[before_1970] * 3
+    )
+    assert [r.error for r in results] == [None] * 3
+    assert [d.stat().st_mtime_ns for d in destinations] == [before_1970] * 3
+
+
+def test_copy_errors_name_the_side_that_failed(tmp_path):
+    """A source that cannot be read is named as the source, on the kernel's copy path
+    (no checksum) too."""
+    (tmp_path / "dir").mkdir()
+    for checksum in (False, True):
+        results = _native.copy_files([tmp_path / "dir"], [tmp_path / "d"], checksum=checksum)
+        assert results[0].error.filename == str(tmp_path / "dir"), results[0].error
+
+
+def test_copy_file_onto_its_own_source_is_refused(tmp_path):
+    source = write_file(tmp_path / "f", b"precious" * 100)
+    os.link(source, tmp_path / "hard")
+    for target in (source, tmp_path / "hard"):
+        with pytest.raises(UsageError, match="itself"):
+            _native.copy_file(source, target)
+    assert source.read_bytes() == b"precious" * 100
