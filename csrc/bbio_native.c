@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <pthread.h>
 #include <sched.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -403,6 +404,21 @@ struct part {
     int err;
 };
 
+/* Create a thread that receives no signal (it is created with every signal
+ * blocked, and keeps that mask): signals go to the interpreter's threads, and this
+ * thread's file calls are never interrupted (EINTR) by one meant for the job, such
+ * as the SIGUSR1 or SIGTERM Slurm sends before a time limit. */
+static int create_quiet_thread(pthread_t *thread, const pthread_attr_t *attr,
+                               void *(*fn)(void *), void *arg)
+{
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    int err = pthread_create(thread, attr, fn, arg);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    return err;
+}
+
 static void *copy_part(void *arg)
 {
     struct part *p = arg;
@@ -438,7 +454,7 @@ static int copy_split(int src_fd, int dst_fd, int64_t src_off, int64_t dst_off,
         };
     }
     pthread_t helper;
-    if (pthread_create(&helper, NULL, copy_part, &parts[1]) != 0)
+    if (create_quiet_thread(&helper, NULL, copy_part, &parts[1]) != 0)
         return -1;
     copy_part(&parts[0]);
     pthread_join(helper, NULL);
@@ -618,8 +634,8 @@ static void run_workers(void *(*worker)(void *), void *arg, int nthreads, int64_
         if (pthread_attr_init(&attr) != 0)
             break;
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        int failed = pthread_create(&thread, &attr, pool_worker,
-                                    (void *)(uintptr_t)pool_generation);
+        int failed = create_quiet_thread(&thread, &attr, pool_worker,
+                                         (void *)(uintptr_t)pool_generation);
         pthread_attr_destroy(&attr);
         if (failed)
             break;

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -542,3 +544,41 @@ def test_copy_file_onto_its_own_source_is_refused(tmp_path):
         with pytest.raises(UsageError, match="itself"):
             _native.copy_file(source, target)
     assert source.read_bytes() == b"precious" * 100
+
+
+_COUNT_QUIET_THREADS = """
+import os, signal, sys
+from bbio import _native
+
+
+def blocking_job_signals():
+    count = 0
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/status") as f:
+            mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigBlk:"))
+        wanted = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+        count += all(mask & (1 << (s - 1)) for s in wanted)
+    return count
+
+
+before = blocking_job_signals()
+fd = os.open(sys.argv[1], os.O_RDONLY)
+_native.pread_batch([fd] * 16, [0] * 16, [4096] * 16, bytearray(1 << 16), threads=4)
+print(before, blocking_job_signals())
+"""
+
+
+def test_the_worker_threads_take_no_signal(tmp_path):
+    """A job's signals (Slurm's SIGUSR1 or SIGTERM before its time limit) go to the
+    interpreter's threads: the native workers' file calls are never interrupted.  In a
+    new process, whose first batched call makes the pool's 3 helper threads."""
+    data = write_file(tmp_path / "a", b"x" * (1 << 16))
+    result = subprocess.run(
+        [sys.executable, "-c", _COUNT_QUIET_THREADS, str(data)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    before, after = map(int, result.stdout.split())
+    assert after == before + 3
