@@ -229,3 +229,30 @@ def test_a_task_an_earlier_job_left_without_its_copy_blocks_nothing(comm, shared
         ckpt.save(2, state(2, rank)).wait(timeout=60)  # below 3: that step does not count
         step, arrays, _ = ckpt.restore()
         assert step == 2 and same(arrays, state(2, rank))
+
+
+def test_global_arrays_that_cannot_be_one_view_are_refused_at_save(comm, shared_tmp):
+    """Shards of one key in different dtypes (restored truncated before), a key that is
+    also another's group (its drain retried for ever), datetimes (a raw HDF5 error), a
+    want= box of the wrong rank (every checkpoint looked damaged)."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    config = config_for(comm, shared_tmp)
+    with bbio.Checkpointer(comm, "views", config=config) as ckpt:
+        dtype = np.float64 if rank == size - 1 else np.int32
+        mixed = bbio.Shard(np.full(2, 3, dtype=dtype), (2 * rank,), (2 * size,))
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.save(1, {"w": mixed})
+        assert "ranks disagree on the dtype of 'w'" in same_everywhere(comm, info.value)
+        part = bbio.Shard(np.ones(2), (2 * rank,), (2 * size,))
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.save(1, {"layer": part, "layer/bias": part})
+        assert "'layer' to be both an array and the group" in same_everywhere(comm, info.value)
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.save(1, {"when": np.array(["2026-12-01"], dtype="datetime64[s]")})
+        assert "which bbio cannot store" in same_everywhere(comm, info.value)
+        ckpt.save(1, {"w": part}).wait(timeout=60)
+        box = ((0, 0), (1, 1)) if rank == size - 1 else ((0,), (1,))
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.restore(want={"w": box})
+        message = same_everywhere(comm, info.value)
+        assert "is not a box of its 1 dimension(s)" in message, message

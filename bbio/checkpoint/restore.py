@@ -183,6 +183,13 @@ def read_boxes(
                 f"the checkpoint has no state {key!r}", hint=f"want= one of {sorted(boxes)}"
             )
         wanted = (tuple(int(s) for s in start), tuple(int(s) for s in shape))
+        dims = len(boxes[key][0][2][0])
+        if len(wanted[0]) != dims or len(wanted[1]) != dims or min(wanted[1], default=0) < 0:
+            raise RequestError(
+                f"the box {wanted} (start, shape) of {key!r} is not a box of its {dims} "
+                "dimension(s)",
+                hint=f"want= ((start,) * {dims}, (shape,) * {dims}), shape at least 0",
+            )
         if not layout.covers(wanted, [b for _, _, b, _ in boxes[key]]):
             raise RequestError(
                 f"the box {wanted} (start, shape) of {key!r} is not (all) inside the saved slices",

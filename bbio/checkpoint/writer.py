@@ -76,7 +76,8 @@ def describe(arrays: Mapping[str, Any]) -> dict[str, dict]:
     for key, value in arrays.items():
         check_key(key)
         data = value.data if isinstance(value, Shard) else np.asarray(value)
-        if data.dtype.hasobject or data.dtype.kind == "U" or data.dtype.names is not None:
+        refused = data.dtype.kind in "UMm"  # unicode, datetime64, timedelta64: no HDF5 type
+        if data.dtype.hasobject or refused or data.dtype.names is not None:
             raise UsageError(
                 f"state {key!r} has dtype {data.dtype}, which bbio cannot store",
                 hint="store numbers, bytes ('S') or raw bytes (np.frombuffer(b, np.uint8)); "
@@ -348,6 +349,7 @@ def global_shapes(all_specs: list[dict[str, dict]], arrays_layout: str) -> dict[
     if arrays_layout != GLOBAL:
         return shapes
     boxes: dict[str, list[tuple[int, Box]]] = {}
+    dtypes: dict[str, str] = {}
     for rank, spec in enumerate(all_specs):
         for key, entry in spec.items():
             if shapes.setdefault(key, entry["global_shape"]) != entry["global_shape"]:
@@ -355,7 +357,21 @@ def global_shapes(all_specs: list[dict[str, dict]], arrays_layout: str) -> dict[
                     f"ranks disagree on the global shape of {key!r}: "
                     f"{shapes[key]} and {entry['global_shape']}"
                 )
+            if dtypes.setdefault(key, entry["dtype"]) != entry["dtype"]:
+                raise UsageError(
+                    f"ranks disagree on the dtype of {key!r}: {dtypes[key]} and "
+                    f"{entry['dtype']} (rank {rank})",
+                    hint="give every Shard of a global array the array's dtype",
+                )
             boxes.setdefault(key, []).append((rank, (tuple(entry["start"]), tuple(entry["shape"]))))
+    for key in shapes:
+        parent = next((p for p in _parents(key) if p in shapes), None)
+        if parent is not None:
+            raise UsageError(
+                f"global arrays {parent!r} and {key!r}: the view on the PFS would need "
+                f"{parent!r} to be both an array and the group of {key!r}",
+                hint="rename one of them (e.g. 'layer/weight' beside 'layer/bias')",
+            )
     for key, held in boxes.items():
         pair = first_overlap([box for _, box in held])
         if pair is not None:
@@ -367,6 +383,12 @@ def global_shapes(all_specs: list[dict[str, dict]], arrays_layout: str) -> dict[
                 "hold must be the same box on each (a replica, restored from one of them)",
             )
     return shapes
+
+
+def _parents(key: str) -> list[str]:
+    """``a``, ``a/b`` for ``a/b/c``: the groups ``key`` lies in."""
+    parts = key.split("/")
+    return ["/".join(parts[:i]) for i in range(1, len(parts))]
 
 
 def _extent(box: Box) -> str:
