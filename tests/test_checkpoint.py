@@ -430,3 +430,36 @@ def test_bad_state_is_the_same_clear_error_everywhere(comm, shared_tmp):
         assert comm.allgather(str(info.value)) == [str(info.value)] * comm.Get_size()
         with pytest.raises(bbio.NotFoundError, match="no complete checkpoint"):
             ckpt.restore()
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("policy", ["block", "skip"])
+def test_a_drain_that_died_is_started_again_while_saves_wait(comm, shared_tmp, policy):
+    """A drain killed with a task queued: a blocking save, a skipping one and close wait
+    for the queue to empty, so they start a new drain (before, they waited for ever)."""
+    config = config_for(comm, shared_tmp, ckpt_backpressure=policy)
+    rank = comm.Get_rank()
+    pfs = shared_tmp / "pfs" / "ckpt" / "dead"
+    ckpt = bbio.Checkpointer(comm, "dead", config=config)
+    if rank == 0:  # a file where step 1's directory goes: the drains fail and retry
+        pfs.mkdir(parents=True, exist_ok=True)
+        (pfs / layout.step_dirname(1)).write_bytes(b"in the way")
+    comm.Barrier()
+    ckpt.save(1, state(1, rank))
+    journal = shared_tmp / "bb" / str(node_of(comm)) / "ckpt" / "dead" / ".journal"
+    if leader(comm):
+        deadline = time.monotonic() + 60
+        while drain.read_status(journal).get("state") != "retrying":
+            assert time.monotonic() < deadline, drain.read_status(journal)
+            time.sleep(0.01)
+        os.kill(drain.read_status(journal)["pid"], signal.SIGKILL)
+        while drain.is_draining(journal):
+            time.sleep(0.01)
+    comm.Barrier()
+    if rank == 0:
+        (pfs / layout.step_dirname(1)).unlink()
+    comm.Barrier()
+    handle = ckpt.save(2, state(2, rank))
+    assert handle.skipped == (policy == "skip")
+    ckpt.close(timeout=60)
+    assert drain.committed_steps(pfs) == ([1] if policy == "skip" else [1, 2])

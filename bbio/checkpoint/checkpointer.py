@@ -508,8 +508,12 @@ class Checkpointer:
         )
 
     def _busy(self) -> bool:
-        """Collective: does any node still have checkpoints to drain?"""
+        """Collective: does any node still have checkpoints to drain?  A node leader whose
+        queue holds tasks that no drain holds starts one (the last one died): else a
+        blocking or skipping save, or ``close``, would wait for ever."""
         mine = bool(drain.pending(self.journal)) if self.topo.is_leader else False
+        if mine and not drain.is_draining(self.journal):
+            self._start_drain()
         return bool(self.comm.allreduce(mine, op=_lor()))
 
     def _check_newest(self, step: int) -> None:

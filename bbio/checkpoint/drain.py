@@ -1029,6 +1029,21 @@ def _process_alive(pid: int | None) -> bool:
     return True
 
 
+def is_draining(journal: Path) -> bool:
+    """Does a drain hold ``journal`` (its lock) now?  Not collective."""
+    try:
+        fd = os.open(journal / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        return False  # no journal yet: nothing drains it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases a lock taken here
+    return False
+
+
 def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) -> int:
     """Drain ``journal`` until it is empty (and, in the background, until told to stop).
 
