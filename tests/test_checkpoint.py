@@ -463,3 +463,21 @@ def test_a_drain_that_died_is_started_again_while_saves_wait(comm, shared_tmp, p
     assert handle.skipped == (policy == "skip")
     ckpt.close(timeout=60)
     assert drain.committed_steps(pfs) == ([1] if policy == "skip" else [1, 2])
+
+
+def test_a_burst_buffer_copy_of_a_save_made_again_since_is_not_restored(comm, shared_tmp):
+    """Job A saves step 10 into its burst buffers; job B, on other burst buffers, saves
+    step 10 again and commits it.  Job C, back on A's burst buffers, must restore B's save
+    from the PFS, not A's older one from the burst buffers."""
+    rank = comm.Get_rank()
+    jobs = {
+        job: config_for(comm, shared_tmp, bb_root=str(shared_tmp / f"bb-{job}" / "{node}"))
+        for job in "AB"
+    }
+    for job, value in (("A", 1.0), ("B", 2.0)):
+        with bbio.Checkpointer(comm, "again", config=jobs[job]) as ckpt:
+            ckpt.save(10, {"x": np.full(4, value)}, attrs={"v": value}).wait(timeout=60)
+    with bbio.Checkpointer(comm, "again", config=jobs["A"]) as ckpt:
+        step, arrays, attrs = ckpt.restore()
+        assert (step, attrs, ckpt.last_restore_tier) == (10, {"v": 2.0}, "pfs")
+        assert np.array_equal(arrays["x"], np.full(4, 2.0)), rank

@@ -724,3 +724,13 @@ def test_damaged_leftovers_of_an_older_checkpoint_do_not_fail_the_finish(tmp_pat
     assert admin.finish_journals(journals, 60) == []
     assert drain.read_manifest(tmp_path / "pfs" / layout.step_dirname(5))["time"] == 1.5
     assert "committing what is ready failed" in capfd.readouterr().err
+
+
+def test_a_step_counts_on_every_node_only_from_one_save():
+    nodes = [
+        {1: {"time": 1.0}, 2: {"time": 2.0}, 3: {"time": 3.0}, 4: {"time": 4.0}},
+        {1: {"time": 1.0}, 2: {"time": 2.5}, 3: {"time": 3.0}, 4: {"time": 4.0}},
+    ]
+    committed = {3: 3.5, 4: 4.0}  # step 3 saved again since, on other burst buffers
+    assert restore.one_save_on_every_node(nodes, committed) == {1, 4}
+    assert restore.one_save_on_every_node([], committed) == set()

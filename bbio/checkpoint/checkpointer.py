@@ -644,14 +644,15 @@ class Checkpointer:
             },
         )
         comm = self.comm
-        pfs_steps: list[int] = []
+        pfs_saves: dict[int, Any] = {}
         with agreed(comm, f"checkpoint {self.name}: listing checkpoints"):
             if self.rank == 0:
-                pfs_steps = drain.committed_steps(self.pfs_dir)
+                pfs_saves = drain.committed_saves(self.pfs_dir)
             local = reader.bb_copies(self.bb_dir, self.node) if self.topo.is_leader else None
-        pfs_steps = comm.bcast(pfs_steps, root=0)
+        pfs_saves = comm.bcast(pfs_saves, root=0)
+        pfs_steps = sorted(pfs_saves)
         per_node = [c for c in comm.allgather(local) if c is not None]
-        on_all_nodes = set.intersection(*(set(c) for c in per_node)) if per_node else set()
+        on_all_nodes = reader.one_save_on_every_node(per_node, pfs_saves)
         candidates = sorted(set(pfs_steps) | on_all_nodes, reverse=True)
         if step is not None:
             candidates = [s for s in candidates if s == step]

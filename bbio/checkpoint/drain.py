@@ -678,13 +678,25 @@ def committed_steps(ckpt_dir: Path) -> list[int]:
     A step whose manifest is damaged is not committed: restore passes over it,
     retention neither counts nor removes it, and its BB copies are kept.
     """
-    steps = []
+    return sorted(committed_saves(ckpt_dir))
+
+
+def committed_saves(ckpt_dir: Path) -> dict[int, Any]:
+    """{step: the committed save's time} of a PFS checkpoint directory (as
+    :func:`committed_steps`).  Not collective."""
+    saves = {}
     if ckpt_dir.is_dir():
         for entry in ckpt_dir.iterdir():
             step = layout.parse_step(entry.name)
-            if step is not None and committed_save(entry):
-                steps.append(step)
-    return sorted(steps)
+            if step is None:
+                continue
+            try:
+                manifest = read_manifest(entry)
+            except IntegrityError:
+                continue
+            if manifest is not None:
+                saves[step] = manifest.get("time")
+    return saves
 
 
 def apply_pfs_retention(ckpt_dir: Path, keep: int) -> list[int]:

@@ -44,6 +44,23 @@ def bb_copies(bb_ckpt_dir: Path, node: int | None) -> dict[int, dict[str, Any]]:
     return found
 
 
+def one_save_on_every_node(
+    per_node: list[dict[int, dict[str, Any]]], committed: Mapping[int, Any]
+) -> set[int]:
+    """The steps every node holds a copy of (``per_node``: each node's
+    :func:`bb_copies`) from one save: the same save time on every node, and the
+    committed one's (``committed``: {step: time}) when the step is committed.  A copy
+    an earlier job left, of a save of the step made again since, does not count.  Pure."""
+    if not per_node:
+        return set()
+    alike = set()
+    for step in set.intersection(*(set(copies) for copies in per_node)):
+        times = {copies[step].get("time") for copies in per_node}
+        if len(times) == 1 and (step not in committed or times == {committed[step]}):
+            alike.add(step)
+    return alike
+
+
 def damaged_bb_records(bb_ckpt_dir: Path, node: int | None) -> list[IntegrityError]:
     """The errors of this burst buffer's node records that are damaged (not valid JSON):
     :func:`bb_copies` passes over their copies.  Not collective."""
