@@ -226,7 +226,7 @@ def copy_file(
     src_fd = _open(src, os.O_RDONLY, direct, "open for reading")
     try:
         source = os.fstat(src_fd)
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # a destination that cannot be looked at: _open says
             target = os.stat(dst)
             if (target.st_dev, target.st_ino) == (source.st_dev, source.st_ino):
                 raise UsageError(f"copy_file: {dst} is {src} itself", path=dst)

@@ -32,7 +32,7 @@ def test_up_to_date_compares_kind_size_mtime_and_target():
     assert not plan.up_to_date(link, DestState(SYMLINK, 0, 0, "b"))
 
 
-def test_to_chmod_lists_current_files_whose_permission_bits_changed():
+def test_to_chmod_lists_current_files_whose_source_mode_changed():
     entries = [
         Entry("d", DIR, mode=0o755),
         Entry("same", FILE, size=1, mtime_ns=1, mode=0o644),
@@ -40,6 +40,8 @@ def test_to_chmod_lists_current_files_whose_permission_bits_changed():
         Entry("stale", FILE, size=2, mtime_ns=1, mode=0o600),  # copied again instead
         Entry("setgid", FILE, size=1, mtime_ns=1, mode=0o2644),  # only 0o777 is compared
         Entry("unknown", FILE, size=1, mtime_ns=1, mode=0o600),
+        Entry("owner's", FILE, size=1, mtime_ns=1, mode=0o644),  # the copy's owner chmod-ed it
+        Entry("unrecorded", FILE, size=1, mtime_ns=1, mode=0o600),
     ]
     dest = {
         "d": DestState(DIR, 0, 1),
@@ -48,8 +50,11 @@ def test_to_chmod_lists_current_files_whose_permission_bits_changed():
         "stale": DestState(FILE, 1, 1, mode=0o644),
         "setgid": DestState(FILE, 1, 1, mode=0o644),
         "unknown": DestState(FILE, 1, 1),
+        "owner's": DestState(FILE, 1, 1, mode=0o600),
+        "unrecorded": DestState(FILE, 1, 1, mode=0o644),
     }
-    assert [e.path for e in plan.to_chmod(entries, dest)] == ["private"]
+    recorded = {path: 0o644 for path in dest if path != "unrecorded"}
+    assert [e.path for e in plan.to_chmod(entries, dest, recorded)] == ["private"]
 
 
 def test_to_copy_skips_directories_and_current_files():

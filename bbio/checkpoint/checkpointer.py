@@ -512,8 +512,12 @@ class Checkpointer:
         queue holds tasks that no drain holds starts one (the last one died): else a
         blocking or skipping save, or ``close``, would wait for ever."""
         mine = bool(drain.pending(self.journal)) if self.topo.is_leader else False
-        if mine and not drain.is_draining(self.journal):
-            self._start_drain()
+        own_alive = self._drain is not None and self._drain.poll() is None
+        if mine and not own_alive and not drain.is_draining(self.journal):
+            try:
+                self._start_drain()
+            except OSError as exc:  # the next look tries again; no rank is left waiting
+                log.warning("checkpoint %s: cannot start a drain: %s", self.name, exc)
         return bool(self.comm.allreduce(mine, op=_lor()))
 
     def _check_newest(self, step: int) -> None:

@@ -351,10 +351,13 @@ def commit_ready(journal: Path) -> list[int]:
     if ckpt_dir.is_dir():
         for entry in sorted(ckpt_dir.iterdir()):
             step = layout.parse_step(entry.name)
-            uncommitted = step is not None and not committed_save(entry)
-            if uncommitted and try_commit(entry, target["nodes"]):
-                apply_pfs_retention(ckpt_dir, target["keep_pfs"])
-                done.append(step)
+            try:
+                uncommitted = step is not None and not committed_save(entry)
+                if uncommitted and try_commit(entry, target["nodes"]):
+                    apply_pfs_retention(ckpt_dir, target["keep_pfs"])
+                    done.append(step)
+            except (BBIOError, OSError) as exc:  # one step's damage holds back no other
+                print(f"bbio drain: {entry}: not committed: {exc}", file=sys.stderr)
     return done
 
 
@@ -877,7 +880,7 @@ def _process(journal: Path, task: Task, commits: _Commits) -> bool:
     if copy_node_file(task) is None:
         queued = files.read_json(task_path(journal, task.step)) or {}
         if queued.get("save_time") == task.save_time:  # not saved again: it never will copy
-            _set_aside(journal, task, "its burst-buffer record is of another save of the step")
+            _set_aside(journal, task, "its burst-buffer copy is not of the queued save")
             commits.report()
         return False
     set_aside_path(journal, task.step).unlink(missing_ok=True)  # of an earlier save, if any

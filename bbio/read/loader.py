@@ -128,6 +128,7 @@ class Loader:
     def _fetch(self, batches) -> tuple:
         # Drawn from the seed, the batches are the same on every rank (the arguments
         # were compared): no digest of them is compared at every step.
+        self.dataset.check_open()  # closed under the loader: closing is collective
         return batches[self.rank], self.dataset._read_planned(batches)
 
     def _may_fetch(self, step: int) -> bool:

@@ -307,11 +307,14 @@ def pack(
         if comm.Get_rank() == 0:
             try:
                 out.mkdir(parents=True, exist_ok=True)
-                _withdraw_index(out)
                 _remove_leftovers(out)
             except OSError as exc:
                 raise from_oserror(exc, "prepare the output directory", out) from None
-            _check_capacity(out, shards)
+            _check_capacity(out, shards)  # before the old index goes: a refused pack keeps it
+            try:
+                _withdraw_index(out)
+            except OSError as exc:
+                raise from_oserror(exc, "remove the earlier pack's index", out) from None
     infos: list[ShardInfo] = []
     with agreed(comm, "pack: writing shards"):
         for index in deal(list(range(len(shards))), comm):

@@ -77,17 +77,26 @@ def to_copy(entries: Iterable[Entry], dest: Mapping[str, DestState]) -> list[Ent
     return [e for e in entries if e.kind != DIR and not up_to_date(e, dest.get(e.path))]
 
 
-def to_chmod(entries: Iterable[Entry], dest: Mapping[str, DestState]) -> list[Entry]:
-    """The files of ``entries`` up to date in ``dest`` but for their permission bits (the
-    source was chmod-ed since its copy): given the source's mode, not copied again."""
+def to_chmod(
+    entries: Iterable[Entry], dest: Mapping[str, DestState], recorded: Mapping[str, int]
+) -> list[Entry]:
+    """The files of ``entries`` up to date in ``dest`` but for their permission bits,
+    whose source was chmod-ed since the copy (its mode differs from the one ``recorded``
+    in the copy's manifest): given the source's mode, not copied again.  A copy whose
+    mode only the destination's owner changed keeps it."""
 
-    def mode_differs(e: Entry, now: DestState | None) -> bool:
-        return now is not None and now.mode is not None and now.mode != e.mode & PERMISSION_BITS
+    def source_changed(e: Entry, now: DestState | None) -> bool:
+        mode = e.mode & PERMISSION_BITS
+        if now is None or now.mode is None or now.mode == mode or e.path not in recorded:
+            return False
+        return recorded[e.path] & PERMISSION_BITS != mode
 
     return [
         e
         for e in entries
-        if e.kind == FILE and up_to_date(e, dest.get(e.path)) and mode_differs(e, dest.get(e.path))
+        if e.kind == FILE
+        and up_to_date(e, dest.get(e.path))
+        and source_changed(e, dest.get(e.path))
     ]
 
 

@@ -240,6 +240,11 @@ def _make_dirs(root: Path, dirs: Iterable[Entry], node: int | None) -> None:
             ) from None
 
 
+def _recorded_modes(manifest: Manifest | None) -> dict[str, int]:
+    """The mode each file had when the ``manifest`` was written (none without one)."""
+    return {} if manifest is None else {e.path: e.mode for e in manifest.entries}
+
+
 def _set_modes(root: Path, changed: Sequence[Entry]) -> None:
     """Give the copies of ``changed`` (up to date but for their mode) their source's mode.
     Not collective."""
@@ -739,8 +744,8 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     with agreed(comm, "stage-in: looking at the destination"):
         current = dest_state(topo.node_comm, dst_root, [e.path for e in mine])
     todo = plan.to_copy(mine, current)
-    chmod = plan.to_chmod(mine, current)
     old = _previous_manifest(comm, topo.node_comm, dst_root, todo, "stage-in")
+    chmod = plan.to_chmod(mine, current, _recorded_modes(old))
     with agreed(comm, "stage-in: removing what an interrupted run left"):
         remove_leftovers(topo.node_comm, dst_root, dirs)
     with agreed(comm, "stage-in: checking burst-buffer space"):
@@ -932,7 +937,6 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
     everything = [merged[p] for p in sorted(merged)]
     current = dest_state(comm, dst_root, [e.path for e in everything])
     todo_all = plan.to_copy(everything, current)
-    chmod = plan.to_chmod(everything, current)
     differing = _differing_copies(comm, topo, src_root, trees, {e.path for e in todo_all})
     conflicts = sorted([*conflicts, *differing], key=lambda c: c.path)
     if conflicts:
@@ -954,6 +958,7 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
         key=lambda s: s.path,
     )
     old = _previous_manifest(comm, comm, dst_root, todo_all, "stage-out")
+    chmod = plan.to_chmod(everything, current, _recorded_modes(old))
     remove_leftovers(comm, dst_root, dirs)
     mine = [e for e in todo_all if chosen[e.path] == topo.node]
     with agreed(comm, "stage-out: checking space and creating directories"):

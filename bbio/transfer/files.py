@@ -30,7 +30,7 @@ TEMP_SUFFIX = ".bbio-part"
 # places NAME (its default rsync-hash-regex), so the rename moves no file between
 # bricks and leaves no link file behind; as ".NAME.PID.RANDOM.bbio-part" would.
 UNIQUE_TEMP_SUFFIX = "-bbio-part"
-_UNIQUE_TEMP_NAME = re.compile(r"\..+\.[0-9]+-[0-9a-f]{8}-bbio-part")
+_UNIQUE_TEMP_NAME = re.compile(r"\..+\.[0-9]+-[0-9a-f]{8}-bbio-part", re.DOTALL)
 _NAME_MAX = 255
 _VERIFY_BUFFER = 4 << 20
 # fsyncs run on this many threads: the file system merges concurrent fsyncs
