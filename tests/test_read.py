@@ -196,12 +196,17 @@ def test_reads_in_many_rounds_give_the_same_bytes(comm, datasets, kind):
     config = config_for(comm, root.parent, read_round_bytes=512)  # up to 8 rounds per read
     path = root / ("fixed.h5" if kind == "hdf5" else kind)
     with bbio.open_dataset(comm, path, config=config) as ds:
-        ids = my_ids(comm, seed=11, count=30)
-        got = ds.read(ids)
-        if kind == "hdf5":
-            assert got.tobytes() == np.stack([expected_fixed(i) for i in ids]).tobytes()
-        else:
-            assert [g.tobytes() for g in got] == [expected_variable(i, sizes) for i in ids]
+        assert_reads_back(comm, ds, kind, sizes, seed=11, count=30)
+
+
+def assert_reads_back(comm, ds, kind: str, sizes, seed: int, count: int) -> None:
+    """This rank's ``count`` random samples of ``ds`` read back as written."""
+    ids = my_ids(comm, seed=seed, count=count)
+    got = ds.read(ids)
+    if kind == "hdf5":
+        assert got.tobytes() == np.stack([expected_fixed(i) for i in ids]).tobytes()
+    else:
+        assert [g.tobytes() for g in got] == [expected_variable(i, sizes) for i in ids]
 
 
 @pytest.mark.parametrize("kind", ["packed", "hdf5"])
@@ -214,12 +219,7 @@ def test_samples_longer_than_an_mpi_block_are_handed_out_in_pieces(
     root, sizes, _ = datasets
     path = root / ("fixed.h5" if kind == "hdf5" else "packed")
     with bbio.open_dataset(comm, path, config=config_for(comm, root.parent)) as ds:
-        ids = my_ids(comm, seed=12, count=20)
-        got = ds.read(ids)
-        if kind == "hdf5":
-            assert got.tobytes() == np.stack([expected_fixed(i) for i in ids]).tobytes()
-        else:
-            assert [g.tobytes() for g in got] == [expected_variable(i, sizes) for i in ids]
+        assert_reads_back(comm, ds, kind, sizes, seed=12, count=20)
 
 
 def test_a_read_failing_in_a_later_round_is_reported_on_every_rank(comm, datasets):

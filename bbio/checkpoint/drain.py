@@ -657,11 +657,16 @@ def committed_save(step_dir: Path, save: float | None = None) -> bool:
     """Is ``step_dir`` committed, by the save of time ``save`` (None: any save)?  Not with
     a damaged manifest: a commit replaces it, as it does one of an older save.  Not
     collective."""
-    try:
-        manifest = read_manifest(step_dir)
-    except IntegrityError:
-        return False
+    manifest = _sound_manifest(step_dir)
     return manifest is not None and (save is None or manifest.get("time") == save)
+
+
+def _sound_manifest(step_dir: Path) -> dict[str, Any] | None:
+    """The committed manifest of ``step_dir``; None without one, or with a damaged one."""
+    try:
+        return read_manifest(step_dir)
+    except IntegrityError:
+        return None
 
 
 def _file_entry(record: dict[str, Any]) -> dict[str, Any]:
@@ -691,12 +696,7 @@ def committed_saves(ckpt_dir: Path) -> dict[int, Any]:
     if ckpt_dir.is_dir():
         for entry in ckpt_dir.iterdir():
             step = layout.parse_step(entry.name)
-            if step is None:
-                continue
-            try:
-                manifest = read_manifest(entry)
-            except IntegrityError:
-                continue
+            manifest = None if step is None else _sound_manifest(entry)
             if manifest is not None:
                 saves[step] = manifest.get("time")
     return saves

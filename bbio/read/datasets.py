@@ -500,9 +500,7 @@ class Dataset:
         for item in everyone:
             if isinstance(item, UsageError):
                 raise item
-        for r, ids in enumerate(everyone):
-            self._check_ids(ids, r)
-        return self._read_planned(everyone)
+        return self._read_planned(self._valid_requests(everyone))
 
     def read_planned(self, requests: Sequence[np.ndarray]) -> np.ndarray | list[np.ndarray]:
         """Collective over the dataset's communicator: like :meth:`read`, with every

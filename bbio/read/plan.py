@@ -161,7 +161,7 @@ def make_plan(
     gstart = file_base[files] + starts
     gend = gstart + lengths
 
-    # 2. distinct extents per group, sorted; merged into ranges
+    # 2. distinct extents per group, sorted; each given to an aggregator by file domain
     order = np.lexsort((gend, gstart, group))
     g_s, s_s, e_s = group[order], gstart[order], gend[order]
     distinct = np.ones(order.size, dtype=bool)
@@ -169,7 +169,7 @@ def make_plan(
     g_u, s_u, e_u = g_s[distinct], s_s[distinct], e_s[distinct]
     f_u = files[order][distinct]
 
-    # 3. file domains: each group's accessed span split evenly among its aggregators;
+    # file domains: each group's accessed span split evenly among its aggregators;
     # an extent goes to the aggregator whose domain holds its start
     agg_nodes = nodes[np.asarray(aggregators, dtype=np.int64)]
     a_u = np.zeros(s_u.size, dtype=np.int64)
@@ -181,7 +181,7 @@ def make_plan(
         domain = -(-domain // stripe) * stripe
         a_u[sel] = members[np.minimum((s_u[sel] - lo) // domain, members.size - 1)]
 
-    # neighbours of one aggregator merged into ranges (never across a domain's edge:
+    # 3. neighbours of one aggregator merged into ranges (never across a domain's edge:
     # a dense request would otherwise become one range, read by one aggregator).
     # (Overlapping extents, which samples rarely are, may start a range inside the
     # previous one: both are read, which is wasteful but correct.)

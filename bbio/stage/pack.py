@@ -235,14 +235,6 @@ def _withdraw_index(out: Path) -> None:
         files.fsync_dirs([out])
 
 
-def _remove_leftovers(out: Path) -> None:
-    """Remove the temporary shard files a failed or killed pack left in ``out``."""
-    with os.scandir(out) as entries:
-        leftovers = [e.path for e in entries if files.is_temp_name(e.name) and e.is_file()]
-    for path in leftovers:
-        os.unlink(path)
-
-
 def _remove_shards_beyond(out: Path, count: int) -> None:
     """Remove the shards of an earlier, larger pack into ``out`` that the index just written
     (of ``count`` shards) does not list (best effort: they are no longer read)."""
@@ -307,7 +299,7 @@ def pack(
         if comm.Get_rank() == 0:
             try:
                 out.mkdir(parents=True, exist_ok=True)
-                _remove_leftovers(out)
+                files.remove_temp_files(out)  # a failed or killed pack's shards
             except OSError as exc:
                 raise from_oserror(exc, "prepare the output directory", out) from None
             _check_capacity(out, shards)  # before the old index goes: a refused pack keeps it

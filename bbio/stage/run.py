@@ -186,19 +186,13 @@ def remove_leftovers(comm, root: Path, dirs: Sequence[Entry]) -> int:
             try:
                 if rel:
                     _let_owner_write(root / rel)
-                with os.scandir(root / rel) as it:
-                    leftovers = [
-                        e.path for e in it if files.is_temp_name(e.name) and not e.is_dir()
-                    ]
-                for path in leftovers:
-                    os.unlink(path)
+                removed += files.remove_temp_files(root / rel)
             except (FileNotFoundError, NotADirectoryError):
                 continue  # not created yet
             except OSError as exc:
                 raise from_oserror(
                     exc, "remove an earlier run's temporary files", root / rel
                 ) from None
-            removed += len(leftovers)
         return removed
 
     return sum(agreed_allgather(comm, f"removing what an interrupted run left in {root}", remove))

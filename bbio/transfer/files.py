@@ -60,6 +60,16 @@ def is_temp_name(name: str) -> bool:
     return _UNIQUE_TEMP_NAME.fullmatch(name) is not None
 
 
+def remove_temp_files(directory: Path | str) -> int:
+    """Delete the temporary files (:func:`is_temp_name`) directly in ``directory``, which
+    an interrupted run left; returns how many.  Raises the OSError of a failure."""
+    with os.scandir(directory) as entries:
+        leftovers = [e.path for e in entries if is_temp_name(e.name) and not e.is_dir()]
+    for path in leftovers:
+        os.unlink(path)
+    return len(leftovers)
+
+
 def _fail(exc: OSError, action: str, path: Path | str):
     return from_oserror(exc, action, path)
 
