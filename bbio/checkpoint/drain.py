@@ -367,8 +367,9 @@ def read_status(journal: Path) -> dict[str, Any]:
 
 
 def _write_status(journal: Path, **status: Any) -> None:
-    """Write the status, then tell the waiting processes."""
-    files.write_json_atomic(journal / STATUS, {"pid": os.getpid(), "time": time.time(), **status})
+    """Write the status (with the writer's pid and host), then tell the waiting processes."""
+    writer = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+    files.write_json_atomic(journal / STATUS, {**writer, **status})
     _wake_waiters(journal)
 
 

@@ -15,28 +15,38 @@ nodes, a "PFS" and per-node "BB" directories under ``work/demo``.
    identical to what training logged, and train to the end;
 
 then print a report.  ``--launcher`` runs the job (default ``mpirun -n 4``;
-on a cluster, e.g. ``srun``).
+on a cluster, e.g. ``srun``); ``--bb-root`` is the burst buffer's template
+(``{node}``, ``{job}``, ``{user}``, as in ``bb_root``), and
+``--epilog-launcher`` runs the per-node work (the removal of an earlier run's
+checkpoints, the epilog's drain) once on every host.  Each phase's output goes
+to ``ROOT/results/PHASE.log`` and is printed when the phase fails; a job still
+running when the driver ends (an error, Ctrl-C, SIGTERM) is killed.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NoReturn
 
-from bbio.checkpoint import drain
+from bbio.checkpoint import drain, layout
 from bbio.checkpoint.restore import bb_copies
+from bbio.config import Config
+from bbio.demo.job import CHECKPOINTER, demo_config
+from bbio.errors import BBIOError, UsageError
 from bbio.report import format_bytes, format_table
-
-JOURNAL_GLOB = "bb/node*/ckpt/demo/.journal"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,12 +56,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--launcher", default="mpirun -n 4", help="how to start the MPI job")
     parser.add_argument("--ranks-per-node", type=int, default=2, help="0: real hosts")
     parser.add_argument(
-        "--bb-root", help="burst buffer, may contain {node} (default: ROOT/bb/node{node})"
+        "--bb-root",
+        help="burst buffer, may contain {node}, {job}, {user} (default: ROOT/bb/node{node})",
     )
     parser.add_argument(
         "--epilog-launcher",
-        help="runs a command once per node, e.g. 'srun --ntasks-per-node=1' "
-        "(default: once per virtual node directory, here)",
+        help="runs a command once per node, e.g. 'srun --ntasks-per-node=1': the removal of "
+        "an earlier run's checkpoints and the epilog's drain; needs a --bb-root without {node} "
+        "(default: once per node directory, here)",
     )
     parser.add_argument("--samples", type=int, default=512)
     parser.add_argument("--sample-size", type=int, default=32 << 10)
@@ -59,6 +71,34 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=4)
     parser.add_argument("--model-mib", type=int, default=32, help="model state per rank")
     return parser.parse_args(argv)
+
+
+@dataclasses.dataclass(frozen=True)
+class Places:
+    """Where the demo's checkpoints are, as this host sees them."""
+
+    pfs: Path  # the checkpointer's directory on the PFS
+    bbs: list[Path]  # the burst buffers (node directories) on this host
+    nodes: int  # the job's node count
+
+    @classmethod
+    def of(cls, config: Config, nodes: int) -> Places:
+        """The PFS directory, and ``bb_root`` expanded for every node (one directory per
+        host when it has no {node})."""
+        bbs = sorted({config.expand(config.bb_root, node=n) for n in range(nodes)})
+        return cls(config.pfs_dir() / layout.CKPT_DIR / CHECKPOINTER, bbs, nodes)
+
+    def bb_ckpt_dirs(self) -> list[Path]:
+        """The checkpointer's directory in each burst buffer seen here."""
+        return [bb / layout.CKPT_DIR / CHECKPOINTER for bb in self.bbs]
+
+    def journals(self) -> list[Path]:
+        """The drain journals seen here."""
+        return [drain.journal_dir(d) for d in self.bb_ckpt_dirs()]
+
+    def every_node_here(self) -> bool:
+        """Does this host see every node's burst buffer (virtual nodes, or one node)?"""
+        return len(self.bbs) == self.nodes
 
 
 def _job(args: argparse.Namespace, phase: str, result: Path) -> list[str]:
@@ -88,17 +128,57 @@ def _job(args: argparse.Namespace, phase: str, result: Path) -> list[str]:
     ]
 
 
-def _run(command: list[str], what: str) -> None:
-    finished = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if finished.returncode != 0:
-        sys.stdout.write(finished.stdout)
-        raise SystemExit(f"bbio demo: {what} failed (exit status {finished.returncode})")
+@contextlib.contextmanager
+def _started(command: list[str], log: Path) -> Iterator[subprocess.Popen]:
+    """Start ``command`` in a session of its own, its output into ``log``; on leaving (an
+    error, Ctrl-C, SIGTERM), kill whatever of it still runs."""
+    with open(log, "wb") as out:
+        job = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        yield job
+    finally:
+        if job.poll() is None:
+            _kill_tree(job.pid)
+            job.wait()
 
 
-def _draining(root: Path) -> int | None:
+def _fail(what: str, status: int, log: Path) -> NoReturn:
+    """Print ``log`` and stop the demo: ``what`` failed."""
+    sys.stdout.write(log.read_text(errors="replace"))
+    raise SystemExit(f"bbio demo: {what} failed (exit status {status}; output above, in {log})")
+
+
+def _run(command: list[str], what: str, log: Path) -> None:
+    """Run ``command`` to its end; stop the demo if it fails."""
+    with _started(command, log) as job:
+        job.wait()
+    if job.returncode != 0:
+        _fail(what, job.returncode, log)
+
+
+def _on_every_node(
+    args: argparse.Namespace,
+    places: Places,
+    command: Callable[[Path], list[str]],
+    what: str,
+    log: Path,
+) -> None:
+    """Run ``command(bb)`` once per node: through ``--epilog-launcher`` (one burst
+    buffer path, the same on every host), else here on each node directory."""
+    if args.epilog_launcher:
+        launched = [*shlex.split(args.epilog_launcher), *command(places.bbs[0])]
+        _run(launched, f"{what} on every node", log)
+        return
+    for n, bb in enumerate(places.bbs):
+        _run(command(bb), f"{what} on {bb}", log.with_suffix(f".{n}.log"))
+
+
+def _draining(places: Places) -> int | None:
     """The step a drain is copying now, not yet committed, while an older step is, if any."""
-    committed = drain.committed_steps(root / "pfs" / "ckpt" / "demo")
-    for journal in root.glob(JOURNAL_GLOB):
+    committed = drain.committed_steps(places.pfs)
+    for journal in places.journals():
         status = drain.read_status(journal)
         tasks = drain.pending(journal)
         if tasks and status.get("state") == "copying":
@@ -141,72 +221,114 @@ def _kill_tree(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def train_and_kill(args: argparse.Namespace, root: Path, result: Path) -> dict:
-    """Run the training phase; kill it (ranks and drains) while a drain is in progress."""
-    job = subprocess.Popen(
-        _job(args, "train", result),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+def kill_drain(journal: Path) -> str | None:
+    """SIGKILL the drain that last reported in ``journal``'s status, if it ran on this
+    host; else return why it was not killed (its pid means nothing here)."""
+    status = drain.read_status(journal)
+    pid, host = status.get("pid"), status.get("host")
+    if not pid:
+        return None
+    if host != socket.gethostname():
+        return (
+            f"the drain of {journal} (pid {pid}) ran on host {host or '(not recorded)'}, "
+            f"not on this one ({socket.gethostname()}): not killed"
+        )
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    return None
+
+
+def train_and_kill(args: argparse.Namespace, places: Places, result: Path) -> dict:
+    """Run the training phase; kill it (ranks and drains) while a drain is in progress.
+
+    Stops the demo when training fails without being killed.
+    """
+    log = result.with_suffix(".log")
     start, killed_at = time.monotonic(), None
-    while job.poll() is None:
-        step = _draining(root)
-        if step is not None:
-            killed_at = step
-            _kill_tree(job.pid)  # the launcher and its ranks (each in its own process group)...
-            for journal in root.glob(JOURNAL_GLOB):  # ...and its drains, as Slurm would
-                pid = drain.read_status(journal).get("pid")
-                if pid:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-            break
-        time.sleep(0.005)
-    output = job.communicate()[0].decode(errors="replace")
-    lines = output.splitlines()
-    printed = [int(line.split()[2]) for line in lines if line.startswith("saved step")]
-    committed = drain.committed_steps(root / "pfs" / "ckpt" / "demo")
-    pending = sorted({t.step for j in root.glob(JOURNAL_GLOB) for t in drain.pending(j)})
+    with _started(_job(args, "train", result), log) as job:
+        while job.poll() is None:
+            step = _draining(places)
+            if step is not None:
+                killed_at = step
+                _kill_tree(job.pid)  # the launcher and its ranks (each in its own group)...
+                for journal in places.journals():  # ...and its drains, as Slurm would
+                    why = kill_drain(journal)
+                    if why:
+                        print(f"bbio demo: {why}", flush=True)
+                if not places.every_node_here():
+                    print(
+                        f"bbio demo: {places.nodes - len(places.bbs)} nodes' burst buffers are "
+                        "not seen from this host: their drains were not killed here",
+                        flush=True,
+                    )
+                break
+            time.sleep(0.005)
+        job.wait()
+    if killed_at is None and job.returncode != 0:
+        _fail("the train phase", job.returncode, log)
+    printed = [
+        int(line.split()[2])
+        for line in log.read_text(errors="replace").splitlines()
+        if line.startswith("saved step")
+    ]
+    committed = drain.committed_steps(places.pfs)
     # a save the kill cut short of its log line counts if every node's copy was complete
-    copies = [set(bb_copies(d / "ckpt" / "demo", None)) for d in sorted(root.glob("bb/node*"))]
-    in_every_bb = set.intersection(*copies) if copies else set()
+    in_every_bb: set[int] = set()
+    if places.every_node_here():
+        copies = [set(bb_copies(d, None)) for d in places.bb_ckpt_dirs()]
+        in_every_bb = set.intersection(*copies)
     return {
         "killed_at": killed_at,
         "saves": sorted({*printed, *committed, *in_every_bb}),
         "seconds": time.monotonic() - start,
         "committed": committed,
-        "pending": pending,
     }
 
 
-def epilog(args: argparse.Namespace, root: Path) -> dict:
+def _drain_command(bb: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "bbio",
+        "ckpt",
+        "drain",
+        "--finish",
+        "--bb-root",
+        str(bb),
+        "--timeout",
+        "300",
+    ]
+
+
+def epilog(args: argparse.Namespace, places: Places, log: Path) -> dict:
     """What each node's Slurm epilog runs: finish draining its burst buffer."""
     start = time.monotonic()
-    nodes = sorted(root.glob("bb/node*"))
-    for node_dir in nodes:
-        _run(
-            [
-                sys.executable,
-                "-m",
-                "bbio",
-                "ckpt",
-                "drain",
-                "--finish",
-                "--bb-root",
-                str(node_dir),
-                "--timeout",
-                "300",
-            ],
-            f"bbio ckpt drain --finish on {node_dir}",
-        )
+    _on_every_node(args, places, _drain_command, "bbio ckpt drain --finish", log)
     return {
-        "nodes": len(nodes),
+        "nodes": places.nodes,
         "seconds": time.monotonic() - start,
-        "committed": drain.committed_steps(root / "pfs" / "ckpt" / "demo"),
+        "committed": drain.committed_steps(places.pfs),
     }
 
 
-def report(args, prepare: dict, killed: dict, epilog_: dict, restart: dict) -> tuple[str, bool]:
+def passed(prepare: dict, killed: dict, epilog_: dict, restart: dict) -> bool:
+    """Did every check pass: data verified, the job killed mid-drain, the newest
+    committed checkpoint restored identical, the last save committed?"""
+    restored = restart["restored"]
+    return bool(
+        prepare["stage"]["verified"]
+        and prepare["read"]["checked"]
+        and killed["killed_at"] is not None
+        and epilog_["committed"]
+        and restored["step"] == max(epilog_["committed"])
+        and restored["identical"]
+        and restart["final_committed"] is not False
+    )
+
+
+def report(
+    args: argparse.Namespace, prepare: dict, killed: dict, epilog_: dict, restart: dict
+) -> tuple[str, bool]:
     """The final report and whether everything checked out."""
     read, stage = prepare["read"], prepare["stage"]
     loader_rate = read["samples"] / read["loader_seconds"]
@@ -259,24 +381,22 @@ def report(args, prepare: dict, killed: dict, epilog_: dict, restart: dict) -> t
         ),
         (
             "restart",
-            f"restored step {restored['step']} from the {restored['from'].upper()}; state "
-            f"identical to the training log: {'yes' if restored['identical'] else 'NO'}",
+            f"restored step {restored['step']} from the {restored['from'].upper()} (newest "
+            f"committed: {max(epilog_['committed'], default=None)}); state identical to the "
+            f"training log: {'yes' if restored['identical'] else 'NO'}",
             0.0,
         ),
         (
             "finish",
             f"trained to step {restart['steps']}, {len(saves)} more checkpoints (blocking "
-            f"{max((s['blocking_seconds'] for s in saves), default=0):.3f} s at most); last one "
-            f"committed: {'yes' if restart['final_committed'] else 'NO'}",
+            f"{max((s['blocking_seconds'] for s in saves), default=0):.3f} s at most); "
+            + {True: "last one committed: yes", False: "last one committed: NO"}.get(
+                restart["final_committed"], "no checkpoint to commit"
+            ),
             0.0,
         ),
     ]
-    ok = (
-        stage["verified"]
-        and read["checked"]
-        and restored["identical"]
-        and restart["final_committed"]
-    )
+    ok = passed(prepare, killed, epilog_, restart)
     table = format_table(["step", "result", "seconds"], [(a, b, f"{c:.2f}") for a, b, c in rows])
     text = "\n".join(
         [
@@ -294,27 +414,71 @@ def report(args, prepare: dict, killed: dict, epilog_: dict, restart: dict) -> t
     return text, ok
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the phases and print the report."""
-    args = parse_args(argv)
+def _terminate(signum: int, frame: object) -> None:
+    """SIGTERM (make's timeout, scancel): leave through the ``finally`` blocks that kill
+    the running job."""
+    raise SystemExit(128 + signum)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the phases and print the report; 0 if every check passed."""
+    config = demo_config(args)
+    if args.epilog_launcher and "{node}" in config.bb_root:
+        raise UsageError(
+            f"--epilog-launcher runs the epilog once per host, which cannot know its node "
+            f"index, but the burst buffer {config.bb_root} contains {{node}}",
+            hint="pass --bb-root without {node} (one burst buffer per host), or no "
+            "--epilog-launcher (every node directory on this host)",
+        )
     root = Path(args.root).resolve()
     root.mkdir(parents=True, exist_ok=True)
     results = root / "results"
     results.mkdir(exist_ok=True)
     print(f"bbio demo: preparing the dataset under {root} ...", flush=True)
-    _run(_job(args, "prepare", results / "prepare.json"), "the prepare phase")
+    _run(
+        _job(args, "prepare", results / "prepare.json"),
+        "the prepare phase",
+        results / "prepare.log",
+    )
     prepare = json.loads((results / "prepare.json").read_text())
-    for old in [root / "pfs" / "ckpt" / "demo", *root.glob("bb/node*/ckpt/demo")]:
-        shutil.rmtree(old, ignore_errors=True)  # checkpoints of an earlier demo run
+    places = Places.of(config, prepare["stage"]["nodes"])
+    shutil.rmtree(places.pfs, ignore_errors=True)  # checkpoints of an earlier demo run
+    _on_every_node(
+        args,
+        places,
+        lambda bb: ["rm", "-rf", str(bb / layout.CKPT_DIR / CHECKPOINTER)],
+        "removing an earlier run's checkpoints",
+        results / "cleanup.log",
+    )
     print("bbio demo: training with asynchronous checkpoints, then killing the job ...", flush=True)
-    killed = train_and_kill(args, root, results / "train.json")
-    epilog_ = epilog(args, root)
+    killed = train_and_kill(args, places, results / "train.json")
+    epilog_ = epilog(args, places, results / "epilog.log")
     print("bbio demo: restarting from the newest complete checkpoint ...", flush=True)
-    _run(_job(args, "restart", results / "restart.json"), "the restart phase")
+    _run(
+        _job(args, "restart", results / "restart.json"),
+        "the restart phase",
+        results / "restart.log",
+    )
     restart = json.loads((results / "restart.json").read_text())
     text, ok = report(args, prepare, killed, epilog_, restart)
     print(text)
     return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the demo; a job still running when it ends (an error, Ctrl-C, SIGTERM) is killed."""
+    args = parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return run(args)
+    except BBIOError as exc:
+        print(f"bbio demo: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bbio demo: interrupted; the running job was killed", file=sys.stderr)
+        return 128 + signal.SIGINT
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ on the PFS.  The driver kills this phase in the middle of a drain.
 identical to what the log recorded for that step, train to the end and wait
 for the last checkpoint to be committed.
 
+Both training phases report the last step trained (``steps``) and whether
+their last save is committed (``final_committed``; None when they saved
+nothing).
+
 Each phase writes its measurements as JSON to ``--result FILE``.
 """
 
@@ -40,6 +44,7 @@ from bbio.stage.pack import pack, read_index
 from bbio.stage.run import stage_in
 
 SEED = 42
+CHECKPOINTER = "demo"  # the checkpointer's name
 CHECKPOINT_EVERY = 2
 ROW_BYTES = 8 * 4  # the model is float32, 8 columns
 
@@ -222,7 +227,7 @@ def train(comm, args: argparse.Namespace, config: Config, restart: bool) -> dict
     pfs = config.pfs_dir()
     log_path = pfs / "train-log.jsonl"
     result: dict = {"saves": [], "restored": None}
-    ckpt = Checkpointer(comm, "demo", keep_bb=2, keep_pfs=3, config=config)
+    ckpt = Checkpointer(comm, CHECKPOINTER, keep_bb=2, keep_pfs=3, config=config)
     model, start_step = initial_model(comm, args.model_mib), 0
     if restart:
         step, arrays, attrs = ckpt.restore()
@@ -246,7 +251,7 @@ def train(comm, args: argparse.Namespace, config: Config, restart: bool) -> dict
         start_step = attrs["loader_step"]
     elif comm.Get_rank() == 0:
         log_path.unlink(missing_ok=True)
-    handle = None
+    handle, step = None, start_step
     for step, batch in _batches(comm, config, pfs, args, start_step):
         model = train_step(model, batch, step)
         if step % CHECKPOINT_EVERY == 0:
@@ -258,9 +263,9 @@ def train(comm, args: argparse.Namespace, config: Config, restart: bool) -> dict
             result["saves"].append({"step": step, "blocking_seconds": blocked})
             if comm.Get_rank() == 0:
                 print(f"saved step {step} ({blocked:.3f} s blocking)", flush=True)
-    result["steps"] = step if handle else start_step
+    result["steps"] = step
     ckpt.close(wait=True)
-    result["final_committed"] = bool(handle is None or handle.done())
+    result["final_committed"] = None if handle is None else handle.done()
     return result
 
 
