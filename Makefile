@@ -48,4 +48,4 @@ bench: $(READY)
 	$(MPIRUN) -n 1 --bind-to none $(PY) -m bbio.bench copy --json docs/bench/copy.json
 
 clean:
-	rm -rf build *.egg-info bbio/_bbio_native*.so work
+	rm -rf build *.egg-info bbio/_bbio_native*.so work $(READY)

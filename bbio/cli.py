@@ -24,11 +24,15 @@ if TYPE_CHECKING:
 
 def _root_rows(setting: str, label: str, path_label: str, root: RootInfo) -> list[tuple[str, str]]:
     """The two ``bbio info`` rows of the root ``setting``: "not set" when it is unset."""
-    if root.path is None:
+    if root.path is None and root.problem is None:
         return [
             (label, f"not set (set BBIO_{setting.upper()} or {setting} in the config file)"),
             (path_label, "not set"),
         ]
+    if root.path is None:
+        return [(label, root.template), (path_label, f"cannot resolve: {root.problem}")]
+    if root.free_bytes is None:
+        return [(label, root.template), (path_label, f"{root.path}  (free: {root.problem})")]
     return [
         (label, root.template),
         (path_label, f"{root.path}  ({format_bytes(root.free_bytes)} free)"),
@@ -128,6 +132,7 @@ def _cmd_stage_out(args: argparse.Namespace) -> int:
             include=args.include,
             exclude=args.exclude,
             skip_unreadable=args.skip_unreadable,
+            overwrite=args.overwrite,
             config=load_config(args.config),
         )
         _print_on_root(comm, summary.report())
@@ -152,7 +157,7 @@ def parse_size(text: str) -> int:
     number, unit = cleaned.rstrip("KMGT"), cleaned[len(cleaned.rstrip("KMGT")) :]
     try:
         value = int(float(number) * units[unit])
-    except (KeyError, ValueError):
+    except (KeyError, ValueError, OverflowError):  # OverflowError: inf, 1e400
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1G or 256M)") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
@@ -313,6 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     stage_out.add_argument("src", help="source on each node; may contain {node}")
     stage_out.add_argument("dst", help="destination directory (on the PFS)")
     _add_transfer_options(stage_out)
+    stage_out.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace files of DST changed since bbio last wrote or read them (else refused)",
+    )
     stage_out.set_defaults(run=_cmd_stage_out)
 
     check = commands.add_parser(

@@ -250,7 +250,7 @@ def _integer(raw: Any) -> int | None:
 
 
 def _file_layer(config_file: str | os.PathLike | None, env: Mapping[str, str]) -> dict:
-    path = config_file or env.get("BBIO_CONFIG")
+    path = config_file or env.get("BBIO_CONFIG") or None  # empty: unset, as every setting
     if path is None:
         if not SITE_CONFIG_FILE.exists():
             return {}
@@ -264,8 +264,14 @@ def _file_layer(config_file: str | os.PathLike | None, env: Mapping[str, str]) -
             path=path,
             hint="fix the path in BBIO_CONFIG or bbio --config (in Python, config_file=)",
         ) from None
-    except tomllib.TOMLDecodeError as exc:
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"the config file is not valid TOML: {exc}", path=path) from None
+    except OSError as exc:
+        raise ConfigError(
+            f"the config file cannot be read: {exc.strerror or exc}",
+            path=path,
+            hint="BBIO_CONFIG or bbio --config must name a readable TOML file",
+        ) from None
     unknown = sorted(set(data) - set(SETTINGS))
     if unknown:
         raise ConfigError(

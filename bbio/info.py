@@ -7,7 +7,7 @@ import dataclasses
 from bbio import _native
 from bbio._version import __version__
 from bbio.config import Config
-from bbio.errors import ConfigError
+from bbio.errors import BBIOError, ConfigError
 from bbio.mpi import library_version
 from bbio.transfer.files import free_bytes
 
@@ -19,6 +19,7 @@ class RootInfo:
     template: str
     path: str | None
     free_bytes: int | None
+    problem: str | None = None  # why the path or its free space is unknown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,16 +46,22 @@ def _root(template: str | None, resolve) -> RootInfo:
         return RootInfo("(not set)", None, None)
     try:
         path = resolve()
-    except ConfigError:
-        return RootInfo(template, None, None)
-    return RootInfo(template, str(path), free_bytes(path))
+    except ConfigError as exc:
+        return RootInfo(template, None, None, str(exc))
+    try:
+        return RootInfo(template, str(path), free_bytes(path))
+    except BBIOError as exc:  # a stale or forbidden mount: the other rows still matter
+        return RootInfo(template, str(path), None, str(exc))
 
 
 def collect(config: Config) -> StackInfo:
     """Gather versions and capabilities.  Not collective, and leaves MPI uninitialised."""
     import mpi4py
 
-    mpi_library = library_version()  # first: it tells mpi4py not to initialise MPI
+    try:
+        mpi_library = library_version()  # first: it tells mpi4py not to initialise MPI
+    except (ImportError, RuntimeError) as exc:  # mpi4py there, its MPI library not loadable
+        mpi_library = f"NOT loadable: {exc}"
     try:
         import h5py
     except ImportError:

@@ -154,27 +154,35 @@ def sum_over_ranks(comm, *values: int) -> list[int]:
     return [int(v) for v in comm.allreduce(np.array(values, dtype=np.int64))]
 
 
-def _describe(exc: BaseException) -> tuple[str, str]:
-    return type(exc).__name__, str(exc)
+def _describe(exc: BaseException) -> tuple[str, str, int | None]:
+    """(class, message, errno) of ``exc`` as every rank can rebuild it: a bbio error's
+    class is the nearest one of :data:`CLASSES_BY_NAME` it derives from (a module's own
+    subclass, such as a UsageError's, stays a UsageError)."""
+    known = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in CLASSES_BY_NAME), None)
+    name = known if isinstance(exc, BBIOError) and known else type(exc).__name__
+    errno = getattr(exc, "errno", None) if isinstance(exc, BBIOError) else None
+    return name, str(exc), errno if isinstance(errno, int) else None
 
 
-def agreed_error(failures: list[tuple[int, str, str]], what: str, size: int) -> BBIOError:
-    """The one error every rank raises for ``failures`` [(rank, class, message)] of ``size`` ranks.
+def agreed_error(failures: list[tuple], what: str, size: int) -> BBIOError:
+    """The one error every rank raises for ``failures`` [(rank, class, message[, errno])] of
+    ``size`` ranks.
 
-    The lowest failing rank's error is kept, with its class when that is a
-    bbio error class; other exceptions become :class:`CollectiveError`.  When
-    every rank failed alike, no rank is singled out.
+    The lowest failing rank's error is kept, with its class (and errno) when that
+    is a bbio error class; other exceptions become :class:`CollectiveError`.
+    When every rank failed alike, no rank is singled out.
     """
-    rank, cls_name, message = failures[0]
+    rank, cls_name, message = failures[0][:3]
+    errno = failures[0][3] if len(failures[0]) > 3 else None
     if len(failures) == size and all(f[1:] == failures[0][1:] for f in failures):
         where = ""
     else:
-        others = ", ".join(str(r) for r, _, _ in failures[1:])
+        others = ", ".join(str(f[0]) for f in failures[1:])
         where = f" on rank {rank}" + (f" (ranks {others} failed too)" if others else "")
     cls = CLASSES_BY_NAME.get(cls_name)
     if cls is None:
         return CollectiveError(f"{what} failed{where}: {cls_name}: {message}")
-    return cls(f"{what} failed{where}: {message}")
+    return cls(f"{what} failed{where}: {message}", errno=errno)
 
 
 @contextmanager
@@ -277,7 +285,11 @@ def abort_on_error(comm, main: Callable[[], int | None]) -> int:
     try:
         return int(main() or 0)
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        if exc.code is None or isinstance(exc.code, int):
+            code = exc.code or 0
+        else:  # sys.exit("message"): Python prints it and exits with 1
+            print(exc.code, file=sys.stderr, flush=True)
+            code = 1
         if code and comm.Get_size() > 1:
             sys.stdout.flush()
             comm.Abort(code)

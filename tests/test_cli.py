@@ -57,3 +57,18 @@ def test_a_usage_error_under_mpirun_is_printed_once(tmp_path):
     bare = run_mpi(2, "-m", "bbio")
     assert bare.returncode != 0
     assert bare.stdout.count("usage: bbio") == 1, bare.stdout
+
+
+def test_info_reports_a_root_it_cannot_look_at_and_goes_on(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    result = run_python("-m", "bbio", "info", env={"BBIO_PFS_ROOT": str(not_a_dir / "pfs")})
+    assert result.returncode == 0, result.stderr
+    assert f"{not_a_dir}/pfs  (free: " in result.stdout
+    assert "native extension" in result.stdout
+
+
+def test_a_size_too_large_for_a_number_is_a_usage_error(tmp_path):
+    result = run_python("-m", "bbio", "pack", str(tmp_path), "out", "--shard-size", "1e400")
+    assert result.returncode != 0
+    assert "not a size: '1e400'" in result.stderr and "Traceback" not in result.stderr

@@ -114,6 +114,16 @@ def test_unknown_and_malformed_file(tmp_path):
         load_config(config_file=toml, env={})
     with pytest.raises(ConfigError, match="unknown setting 'nope'"):
         load_config(env={}, nope=1)
+    toml.write_bytes(b'bb_root = "/bb/\xff"\n')  # not UTF-8
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(config_file=toml, env={})
+    with pytest.raises(ConfigError, match=r"cannot be read.*readable TOML file"):
+        load_config(env={"BBIO_CONFIG": str(tmp_path)})  # a directory
+
+
+def test_an_empty_bbio_config_is_unset(tmp_path, monkeypatch):
+    monkeypatch.setattr("bbio.config.SITE_CONFIG_FILE", tmp_path / "none.toml")
+    assert load_config(env={"BBIO_CONFIG": ""}).pfs_root is None
 
 
 def test_every_setting_is_documented_with_its_variable_and_choices():

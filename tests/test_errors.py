@@ -9,6 +9,7 @@ import pytest
 
 import bbio
 from bbio.errors import CLASSES_BY_NAME, error_class_for_errno, from_oserror
+from tests.conftest import run_python
 
 
 def test_every_error_class_is_public_and_rooted_at_bbioerror():
@@ -54,3 +55,19 @@ def test_errors_survive_pickling_between_ranks():
     assert type(back) is bbio.NotFoundError
     assert str(back) == str(exc)
     assert back.errno == errno.ENOENT
+
+
+@pytest.mark.parametrize(
+    ("exit_with", "code", "printed"),
+    [("None", 0, ""), ("0", 0, ""), ("3", 3, ""), ("'cannot go on'", 1, "cannot go on")],
+)
+def test_abort_on_error_keeps_what_sys_exit_means(exit_with, code, printed):
+    program = (
+        "import sys\n"
+        "from mpi4py import MPI\n"
+        "from bbio.mpi import abort_on_error\n"
+        f"sys.exit(abort_on_error(MPI.COMM_SELF, lambda: sys.exit({exit_with})))\n"
+    )
+    done = run_python("-c", program)
+    assert done.returncode == code, done.stderr
+    assert printed in done.stderr

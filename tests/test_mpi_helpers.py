@@ -112,3 +112,17 @@ def test_wait_all_ranks_times_out_instead_of_hanging(comm):
     else:
         assert comm.recv(source=0) == "timed out"
         comm.Ibarrier().Wait()  # matches rank 0's abandoned barrier, which then completes
+
+
+def test_a_subclass_of_a_bbio_error_keeps_its_bbio_class_and_errno(comm):
+    class RequestProblem(bbio.UsageError):
+        pass
+
+    with pytest.raises(bbio.UsageError) as info, agreed(comm, "restoring"):
+        if comm.Get_rank() == 1:
+            raise RequestProblem("no such slice")
+    assert "no such slice" in str(info.value)
+    with pytest.raises(bbio.NotFoundError) as missing, agreed(comm, "opening"):
+        if comm.Get_rank() == 0:
+            raise bbio.NotFoundError("gone", path="/pfs/x", errno=2)
+    assert missing.value.errno == 2
