@@ -260,13 +260,16 @@ def copy_file(
 @dataclasses.dataclass(frozen=True)
 class FileCopy:
     """One file of :func:`copy_files`: bytes, CRC32C, the source's size and mtime once
-    copied, and the error (None if it worked)."""
+    copied, and the error (None if it worked).  ``source_not_regular``: nothing was
+    copied because the source is gone or no longer a regular file (a symlink, FIFO or
+    directory in its place; never followed or opened blocking), with no error."""
 
     nbytes: int
     crc32c: int
     size_after: int
     mtime_ns_after: int
     error: BaseException | None
+    source_not_regular: bool = False
 
 
 def _path_bytes(path: str | os.PathLike) -> bytes:
@@ -275,6 +278,9 @@ def _path_bytes(path: str | os.PathLike) -> bytes:
     if b"\0" in encoded:
         raise UsageError(f"a path holds a NUL byte: {path!r}")
     return encoded
+
+
+SIDE_SOURCE, SIDE_DESTINATION, SIDE_SOURCE_NOT_REGULAR = 0, 1, 2  # as in bbio_native.c
 
 
 def copy_files(
@@ -334,12 +340,20 @@ def copy_files(
     results = []
     for i in range(count):
         error = None
-        if errors[i]:
-            if sides[i]:
-                error = errno_error(int(errors[i]), "write the copy", destinations[i])
-            else:
-                error = errno_error(int(errors[i]), "read for copying", sources[i])
-        results.append(FileCopy(int(copied[i]), int(crcs[i]), int(sizes[i]), int(mtimes[i]), error))
+        if errors[i] and sides[i] == SIDE_DESTINATION:
+            error = errno_error(int(errors[i]), "write the copy", destinations[i])
+        elif errors[i] and sides[i] == SIDE_SOURCE:
+            error = errno_error(int(errors[i]), "read for copying", sources[i])
+        results.append(
+            FileCopy(
+                int(copied[i]),
+                int(crcs[i]),
+                int(sizes[i]),
+                int(mtimes[i]),
+                error,
+                source_not_regular=bool(errors[i]) and sides[i] == SIDE_SOURCE_NOT_REGULAR,
+            )
+        )
     return results
 
 

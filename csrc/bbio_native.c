@@ -677,11 +677,45 @@ struct file_batch {
     int64_t next; /* advanced atomically */
 };
 
+/* failed_side values: which side of a copy failed. */
+#define SIDE_SOURCE 0
+#define SIDE_DESTINATION 1
+#define SIDE_SOURCE_NOT_REGULAR 2 /* gone, or replaced by a symlink, FIFO, directory */
+
+/* The source opened as the regular file a walk found: a symlink in its last
+ * component is not followed, a FIFO does not block the open. */
+static int open_regular_source(const char *path, int *side)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    if (fd < 0) {
+        int err = errno;
+        *side = (err == ENOENT || err == ENOTDIR || err == ELOOP) ? SIDE_SOURCE_NOT_REGULAR
+                                                                  : SIDE_SOURCE;
+        errno = err;
+        return -1;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        int err = errno;
+        close(fd);
+        *side = SIDE_SOURCE;
+        errno = err;
+        return -1;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        *side = SIDE_SOURCE_NOT_REGULAR;
+        errno = EINVAL;
+        return -1;
+    }
+    return fd;
+}
+
 static void copy_one_file(struct file_batch *b, int64_t i, void *buf)
 {
     b->errors[i] = 0;
-    b->failed_side[i] = 0;
-    int src_fd = open(b->src[i], O_RDONLY | O_CLOEXEC);
+    b->failed_side[i] = SIDE_SOURCE;
+    int src_fd = open_regular_source(b->src[i], &b->failed_side[i]);
     if (src_fd < 0) {
         b->errors[i] = errno;
         return;
@@ -689,7 +723,7 @@ static void copy_one_file(struct file_batch *b, int64_t i, void *buf)
     int dst_fd = open(b->dst[i], O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (dst_fd < 0) {
         b->errors[i] = errno;
-        b->failed_side[i] = 1;
+        b->failed_side[i] = SIDE_DESTINATION;
         close(src_fd);
         return;
     }
@@ -723,7 +757,7 @@ static void copy_one_file(struct file_batch *b, int64_t i, void *buf)
     }
     if (close(dst_fd) != 0 && !b->errors[i]) {
         b->errors[i] = errno;
-        b->failed_side[i] = 1;
+        b->failed_side[i] = SIDE_DESTINATION;
     }
     close(src_fd);
 }

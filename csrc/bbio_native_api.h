@@ -40,9 +40,12 @@ int bbio_pwrite_crc(int fd, const void *buf, int64_t len, int64_t off, uint32_t 
  * or truncated, mode 0600), CRC32C in the same pass when BBIO_COPY_CRC.
  * IN  modes, mtimes_ns (both NULL, or both set): then each copy is sealed
  *     once written: chmod modes[i], mtime mtimes_ns[i], fsync.
+ * Sources are opened without following a symlink in their last component
+ * and without blocking (a FIFO), and must be regular files.
  * OUT copied[i], crcs[i]; errors[i]: 0 or errno, failed_side[i]: 0 source,
- *     1 destination; size_after[i], mtime_ns_after[i]: the source's fstat
- *     once copied (to detect a file that changed meanwhile). */
+ *     1 destination, 2 the source is gone or no longer a regular file (nothing
+ *     copied, no destination made); size_after[i], mtime_ns_after[i]: the
+ *     source's fstat once copied (to detect a file that changed meanwhile). */
 int bbio_copy_files(const char *const *src, const char *const *dst, int64_t count,
                     int nthreads, size_t buf_size, int flags,
                     const uint32_t *modes, const int64_t *mtimes_ns, int64_t *copied,

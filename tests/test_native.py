@@ -439,8 +439,8 @@ def test_copy_files_matches_reference_reports_errors_and_seals(tmp_path):
         st = destinations[i].stat()
         assert (st.st_mode & 0o777, st.st_mtime_ns) == (0o640, mtimes[i])
     missing, unwritable = results[-2], results[-1]
-    assert isinstance(missing.error, NotFoundError)
-    assert missing.error.filename == str(sources[-2])
+    assert missing.error is None and missing.source_not_regular  # gone: looked at again
+    assert not destinations[-2].exists()
     assert isinstance(unwritable.error, NotFoundError)
     assert unwritable.error.filename == str(destinations[-1])
 
@@ -531,10 +531,10 @@ def test_copy_files_checks_its_sealing_and_path_arguments(tmp_path):
 def test_copy_errors_name_the_side_that_failed(tmp_path):
     """A source that cannot be read is named as the source, on the kernel's copy path
     (no checksum) too."""
-    (tmp_path / "dir").mkdir()
+    unreadable = "/proc/self/mem"  # a regular file whose first byte cannot be read (EIO)
     for checksum in (False, True):
-        results = _native.copy_files([tmp_path / "dir"], [tmp_path / "d"], checksum=checksum)
-        assert results[0].error.filename == str(tmp_path / "dir"), results[0].error
+        results = _native.copy_files([unreadable], [tmp_path / "d"], checksum=checksum)
+        assert results[0].error.filename == unreadable, results[0].error
 
 
 def test_copy_file_onto_its_own_source_is_refused(tmp_path):
@@ -582,3 +582,36 @@ def test_the_worker_threads_take_no_signal(tmp_path):
     assert result.returncode == 0, result.stderr
     before, after = map(int, result.stdout.split())
     assert after == before + 3
+
+
+def test_copy_files_neither_follows_nor_blocks_on_a_source_that_is_no_longer_a_file(tmp_path):
+    """A walk found regular files; since then one became a symlink (to a file outside
+    the tree), one a FIFO with no writer, one a directory: none is copied, none blocks."""
+    secret = write_file(tmp_path / "outside", b"not yours")
+    (tmp_path / "link").symlink_to(secret)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "dir").mkdir()
+    kept = write_file(tmp_path / "file", b"data")
+    sources = [tmp_path / name for name in ("link", "fifo", "dir", "file")]
+    destinations = [tmp_path / f"copy-{s.name}" for s in sources]
+    results = _native.copy_files(sources, destinations, threads=4)
+    assert [r.source_not_regular for r in results] == [True, True, True, False]
+    assert all(r.error is None for r in results)
+    assert [d.exists() for d in destinations] == [False, False, False, True]
+    assert destinations[-1].read_bytes() == kept.read_bytes()
+
+
+def test_open_source_and_copy_piece_treat_a_changed_source_as_changed(tmp_path):
+    from bbio.transfer.files import copy_piece, open_source
+
+    (tmp_path / "link").symlink_to(write_file(tmp_path / "target", b"x" * 100))
+    os.mkfifo(tmp_path / "fifo")
+    for name in ("link", "fifo", "missing"):
+        assert open_source(tmp_path / name) is None
+        temp = write_file(tmp_path / f"temp-{name}", b"")
+        piece = copy_piece(tmp_path / name, temp, 0, 100, 100, 0)
+        assert (piece.nbytes, piece.changed) == (0, True)
+        assert temp.read_bytes() == b""
+    fd = open_source(tmp_path / "target")
+    assert fd is not None
+    os.close(fd)

@@ -503,6 +503,44 @@ def test_unreadable_directory_is_named(world_tmp):
     assert "locked: cannot list directory" in excluded and "listonly" not in excluded, excluded
 
 
+def test_an_excluded_directory_is_not_entered(world_tmp):
+    """private/secret cannot be listed: an exclude glob that covers everything under it
+    keeps stage-in and pack out of it; a glob that covers only some names does not."""
+    src = world_tmp / "src"
+    make_tree(src, {"ok.bin": 100, "private/notes.bin": 100, "private/secret/key.bin": 100})
+    (src / "private" / "secret").chmod(0o000)
+    prefix, extra_env = _unprivileged(world_tmp)
+    env = {**os.environ, **MPI_ENV, **extra_env, "BBIO_RANKS_PER_NODE": "1"}
+
+    def bbio(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*prefix, "mpirun", "-n", "2", sys.executable, "-m", "bbio", *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            cwd=world_tmp,
+        )
+
+    try:
+        staged = bbio("stage-in", "--exclude", "private/*", str(src), str(world_tmp / "a/{node}"))
+        packed = bbio("pack", "--exclude", "private/*", str(src), str(world_tmp / "packed"))
+        secret = bbio("stage-in", "--exclude", "*secret*", str(src), str(world_tmp / "b/{node}"))
+        by_name = bbio("stage-in", "--exclude", "*.bin", str(src), str(world_tmp / "c/{node}"))
+    finally:
+        (src / "private" / "secret").chmod(0o755)
+    assert_ok(staged)
+    assert_ok(packed)
+    assert_ok(secret)
+    for node in ("0", "1"):
+        assert sorted(final_files(world_tmp / "a" / node)) == ["ok.bin"]
+        assert sorted(final_files(world_tmp / "b" / node)) == ["ok.bin", "private/notes.bin"]
+    index = json.loads((world_tmp / "packed" / "bbio-pack.json").read_text())
+    assert index["samples"] == 1
+    assert by_name.returncode == 1  # "*.bin" does not cover "private/secret/": it is listed
+    assert "private/secret: cannot list directory" in by_name.stderr, by_name.stderr
+
+
 # ----------------------------------------------------------------- 3. progress
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -213,3 +214,104 @@ def test_temporary_names_hash_like_their_file_on_glusterfs(name):
 )
 def test_a_users_file_is_not_taken_for_a_temporary_one(name):
     assert not is_temp_name(name)
+
+
+def test_without_drops_paths_and_what_is_below_them():
+    entries = [Entry("a", DIR), f("a/x", 1), f("ab", 1), Entry("b", DIR), f("b/c/y", 1), f("z", 1)]
+    kept = plan.without(entries, {"a", "b/c", "z"})
+    assert [e.path for e in kept] == ["ab", "b"]
+    assert plan.without(entries, set()) == entries
+
+
+def test_without_is_linear_in_entries_and_unreadable_paths():
+    """5,000 files and 5,000 unreadable ones: each entry's parents are looked up (a few
+    milliseconds), not every unreadable path compared with every entry (about 20 s)."""
+    entries = [f(f"d{i % 100}/ok{i}", 1) for i in range(5_000)]
+    unreadable = {f"d{i % 100}/secret{i}" for i in range(5_000)}
+    start = time.perf_counter()
+    assert len(plan.without(entries, unreadable)) == 5_000
+    assert time.perf_counter() - start < 1.0
+
+
+def test_a_followed_symlink_keeps_what_is_seen_through_it():
+    dest = {"l": DestState(SYMLINK, 0, 1, "/big/ckpt"), "l/x": DestState(FILE, 3, 1)}
+    dest |= {"m": DestState(SYMLINK, 0, 1, "a"), "m/y": DestState(FILE, 1, 1)}
+    assert sorted(plan.not_through_symlinks(dest, {"l"})) == ["l", "l/x", "m"]
+
+
+def state(e: Entry) -> DestState:
+    """What a destination holds after a copy of ``e``."""
+    return DestState(e.kind, e.size, e.mtime_ns, e.target)
+
+
+def test_stage_out_refuses_what_changed_since_bbio_wrote_or_read_it():
+    staged_in, written = f("config.yaml", 10, mtime=5), f("results.txt", 7, mtime=6)
+    source = [f("config.yaml", 10, mtime=5), f("results.txt", 9, mtime=8), f("new.txt", 1)]
+    source += [f("theirs.txt", 4, mtime=9), f("marked.txt", 3, mtime=4)]
+    seen = {
+        "config.yaml": DestState(FILE, 12, 7),  # the user's edit since the stage-in
+        "results.txt": state(written),  # what the previous stage-out wrote: replaced
+        "theirs.txt": DestState(FILE, 4, 3),  # no record: replaced, as cp does
+        "marked.txt": DestState(FILE, 3, 0),  # verify marked bbio's damaged copy
+    }
+    records = {
+        "config.yaml": [staged_in],
+        "results.txt": [f("results.txt", 5, mtime=2), written],
+        "marked.txt": [f("marked.txt", 3, mtime=4)],
+    }
+    checked = plan.to_check(source, seen)
+    assert checked == ["config.yaml", "results.txt", "theirs.txt", "marked.txt"]
+    planned = plan.plan_destination(source, seen, records, (), overwrite=False)
+    assert (planned.changed, planned.foreign_links) == (["config.yaml"], [])
+    assert plan.plan_destination(source, seen, records, (), overwrite=True).changed == []
+
+
+def test_stage_out_follows_the_users_symlinks_to_directories_outside():
+    source = [Entry("ckpt", DIR), f("ckpt/w", 3), Entry("stale", DIR), f("stale/x", 1)]
+    source += [Entry("alias", DIR), f("alias/y", 1), Entry("fresh", DIR), Entry("kept", DIR)]
+    seen = {
+        "ckpt": DestState(SYMLINK, 0, 1, "/big/ckpt"),
+        "ckpt/w": DestState(FILE, 3, 1),  # up to date through the symlink
+        "stale": DestState(SYMLINK, 0, 1, "kept"),  # a copy of an earlier source symlink
+        "stale/x": DestState(FILE, 1, 1),
+        "alias": DestState(SYMLINK, 0, 1, "kept"),  # the user's, inside the destination
+        "alias/y": DestState(FILE, 1, 1),
+        "kept": DestState(DIR, 0, 1),
+    }
+    records = {"stale": [Entry("stale", SYMLINK, target="kept")]}
+    for overwrite in (False, True):
+        planned = plan.plan_destination(source, seen, records, {"ckpt", "alias"}, overwrite)
+        assert planned.followed == {"ckpt", "alias"}
+        assert planned.replaced == {"stale"}
+        assert planned.changed == planned.foreign_links == []
+        assert [e.path for e in plan.to_copy(source, planned.current)] == ["stale/x"]
+        dirs = [e for e in source if e.kind == DIR]
+        assert [d.path for d in plan.created_dirs(dirs, planned, ())] == ["stale", "fresh"]
+    inside = plan.plan_destination(source, seen, records, {"ckpt"}, overwrite=False)
+    assert inside.foreign_links == ["alias -> kept"] and inside.changed == []
+    replaced = plan.plan_destination(source, seen, records, {"ckpt"}, overwrite=True)
+    assert replaced.replaced == {"stale", "alias"} and replaced.foreign_links == []
+
+
+def test_a_directory_an_interrupted_stage_out_made_is_finished_by_the_rerun():
+    dirs = [Entry("made", DIR), Entry("theirs", DIR), Entry("now-a-link", DIR)]
+    seen = {
+        "made": DestState(DIR, 0, 1),
+        "theirs": DestState(DIR, 0, 1),
+        "now-a-link": DestState(SYMLINK, 0, 1, "/elsewhere"),
+    }
+    planned = plan.plan_destination(dirs, seen, {}, {"now-a-link"}, overwrite=False)
+    created = plan.created_dirs(dirs, planned, {"made", "now-a-link"})
+    assert [d.path for d in created] == ["made"]
+
+
+def test_a_manifest_without_kind_is_damaged_and_unknown_fields_are_ignored():
+    document = Manifest("stage-in", [f("a", 3)], {"mode": "shard"}).to_json()
+    document["entries"][0]["blake3"] = "from a newer bbio"
+    document["index"] = {"from": "a newer bbio"}
+    assert Manifest.from_json(document, "here").entries == [f("a", 3)]
+    del document["kind"]
+    with pytest.raises(IntegrityError, match="damaged manifest: no field 'kind'"):
+        Manifest.from_json(document, "here")
+    with pytest.raises(IntegrityError, match="damaged manifest"):
+        Manifest.from_json({**document, "kind": "stage-in", "entries": [{"kind": "file"}]}, "h")

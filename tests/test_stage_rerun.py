@@ -1,18 +1,21 @@
 """Reruns after the source changed or a run failed: a copy is never written through a
 stale symlink, never served as complete while it changes, and a symlink's copy points
-into the copied tree.  On 2 or 4 ranks in 2 virtual nodes."""
+into the copied tree; what an interrupted run left is removed, and a file replaced by a
+symlink is never followed.  On 2 or 4 ranks in 2 virtual nodes."""
 
 from __future__ import annotations
 
 import os
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import bbio
 from bbio.transfer import files
-from tests.test_stage import _keep_changing, two_nodes
+from tests.test_stage import _keep_changing, files_under, two_nodes
 from tests.test_stage_usage import damage
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -166,3 +169,95 @@ def test_a_mode_change_alone_reaches_the_copy_without_copying_it(comm, shared_tm
             assert secret.stat().st_mode & 0o777 == 0o600
         listed = {e.path: e.mode for e in files.read_manifest(root).entries if e.kind == "file"}
         assert listed and set(listed.values()) == {0o600}
+
+
+@pytest.mark.parametrize("direction", ["in", "out"])
+def test_leftovers_in_a_directory_since_removed_from_the_source_are_removed(
+    comm, shared_tmp, direction
+):
+    """A run killed while copying old/f left old/.f.bbio-part; old/ then left the source.
+    The rerun looks in the directories of the previous manifest too, not only the tree's."""
+    config = two_nodes(comm, shared_tmp)
+    node = comm.Get_rank() // (comm.Get_size() // 2)
+    if direction == "in":
+        src, dst = shared_tmp / "pfs" / "tidy", shared_tmp / "bb" / "{node}" / "tidy"
+        sources, copies = [src], [shared_tmp / "bb" / n / "tidy" for n in ("0", "1")]
+        stage, first = bbio.stage_in, comm.Get_rank() == 0
+    else:
+        src, dst = shared_tmp / "bb" / "{node}" / "tidy", shared_tmp / "pfs" / "tidy"
+        sources, copies = [shared_tmp / "bb" / str(node) / "tidy"], [dst]
+        stage, first = bbio.stage_out, comm.Get_rank() % (comm.Get_size() // 2) == 0
+    if first:
+        for root in sources:
+            (root / "old").mkdir(parents=True)
+            (root / "old" / "f").write_bytes(b"f")
+            (root / "kept").write_bytes(b"kept")
+            os.utime(root / "old" / "f", ns=(10**18, 10**18))
+            os.utime(root / "kept", ns=(10**18, 10**18))
+    comm.Barrier()
+    stage(comm, src, dst, config=config)
+    comm.Barrier()
+    if first:
+        for root in sources:
+            (root / "old" / "f").unlink()
+            (root / "old").rmdir()
+    if comm.Get_rank() == 0:
+        for copy in copies:
+            (copy / "old" / ".f.bbio-part").write_bytes(b"half of a newer f")
+    comm.Barrier()
+    stage(comm, src, dst, config=config)
+    for copy in copies:
+        assert not (copy / "old" / ".f.bbio-part").exists()
+        assert files_under(copy) == {"old/f": b"f", "kept": b"kept"}  # like cp: no --delete
+
+
+def _change_then_link(hot: Path, copies: list[Path], secret: Path, stop: threading.Event) -> None:
+    """Change ``hot`` until one of ``copies`` exists, then replace it by a symlink to
+    ``secret``: the copy saw it change, its retry finds a symlink."""
+    counter = 0
+    while not stop.is_set() and not any(c.exists() for c in copies):
+        counter += 1
+        with open(hot, "ab") as f:
+            f.write(b"+")
+        os.utime(hot, ns=(counter, counter))
+        time.sleep(0.0005)
+    hot.unlink()
+    hot.symlink_to(secret)
+
+
+@pytest.mark.timeout(120)
+def test_a_file_replaced_by_a_symlink_during_the_copy_is_not_followed(comm, shared_tmp):
+    """The retry of a file that changed looks at it again without following symlinks:
+    the copy must not get the bytes of a file outside the source."""
+    src = shared_tmp / "pfs" / "swapped"
+    secret = shared_tmp / "pfs" / "secret.txt"
+    config = two_nodes(comm, shared_tmp)
+    stop, writer = threading.Event(), None
+    if comm.Get_rank() == 0:
+        src.mkdir(parents=True)
+        secret.write_bytes(b"another user's secret")
+        (src / "hot.log").write_bytes(b"start")
+        (src / "calm.bin").write_bytes(b"calm")
+        copies = [
+            shared_tmp / "bb" / node / "swapped" / name
+            for node in ("0", "1")
+            for name in ("hot.log", ".hot.log.bbio-part")
+        ]
+        writer = threading.Thread(
+            target=_change_then_link, args=(src / "hot.log", copies, secret, stop)
+        )
+        writer.start()
+    comm.Barrier()
+    try:
+        summary = bbio.stage_in(
+            comm, src, shared_tmp / "bb" / "{node}" / "swapped", mode="shard", config=config
+        )
+    finally:
+        stop.set()
+        if writer:
+            writer.join()
+    skips = comm.allgather([(s.path, s.reason) for s in summary.skipped])
+    assert skips == [[("hot.log", "removed during the copy")]] * comm.Get_size()
+    for node in ("0", "1"):
+        copy = shared_tmp / "bb" / node / "swapped" / "hot.log"
+        assert not copy.exists() and not copy.is_symlink()

@@ -421,3 +421,104 @@ def test_each_node_records_its_own_copy_when_the_source_changed_between_runs(
         assert (entry.size, entry.crc32c) == files.checksum_file(root / "d1" / "f5.bin")
     comm.Barrier()
     assert bbio.stage_in(comm, src, dst, verify=True, config=config).verified
+
+
+def test_a_rank_that_cannot_allocate_a_replicate_round_fails_every_rank(comm, shared_tmp):
+    """Rank 1 may map only a little more memory than it holds: its buffers for a round
+    of two 48 MiB reads cannot be allocated.  Every rank raises; none waits in the
+    exchange for it."""
+    import resource
+
+    src = shared_tmp / "pfs" / "large"
+    if comm.Get_rank() == 0:
+        src.mkdir(parents=True)
+        for i in range(2):
+            (src / f"l{i}.bin").write_bytes(bytes([i]) * (48 << 20))
+    comm.Barrier()
+    config = two_nodes(comm, shared_tmp, replicate_round_bytes=128 << 20)
+    limits = resource.getrlimit(resource.RLIMIT_AS)
+    if comm.Get_rank() == 1:
+        status = Path("/proc/self/status").read_text()
+        mapped_kib = int(
+            next(line for line in status.splitlines() if line.startswith("VmSize:")).split()[1]
+        )
+        resource.setrlimit(resource.RLIMIT_AS, ((mapped_kib << 10) + (32 << 20), limits[1]))
+    try:
+        with pytest.raises(bbio.BBIOError) as info:
+            bbio.stage_in(
+                comm, src, shared_tmp / "bb" / "{node}" / "l", mode="replicate", config=config
+            )
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, limits)
+    message = same_everywhere(comm, info.value)
+    assert ": MemoryError: " in message, message
+    assert "failed on rank 1 " in message or "node 1: " in message, message  # who failed
+
+
+# ------------------------------------------------------------ 8. verify of partial copies
+
+
+def test_verify_reports_a_copy_a_failed_rerun_left_incomplete(comm, shared_tmp, src):
+    """A rerun withdraws d1/f5.bin (changed on the source) from each node's manifest, then
+    fails copying it on node 1: every entry left still matches, but verify must not pass."""
+    config = two_nodes(comm, shared_tmp)
+    dst = shared_tmp / "bb" / "{node}" / "partial"
+    bbio.stage_in(comm, src, dst, config=config)
+    assert not bbio.verify(comm, src, dst, config=config).problems
+    blocker = shared_tmp / "bb" / "1" / "partial" / "d1" / ".f5.bin.bbio-part"
+    if comm.Get_rank() == 0:
+        with open(src / "d1" / "f5.bin", "ab") as f:
+            f.write(b"+" * 100)
+        blocker.mkdir()  # node 1 cannot create f5's temporary copy
+    comm.Barrier()
+    with pytest.raises(bbio.BBIOError, match=r"f5\.bin"):
+        bbio.stage_in(comm, src, dst, config=config)
+    with pytest.raises(bbio.IntegrityError) as info:
+        bbio.verify(comm, src, dst, config=config)
+    message = same_everywhere(comm, info.value)
+    for node in ("0", "1"):
+        manifest = files.manifest_path(shared_tmp / "bb" / node / "partial")
+        assert f"{manifest}: the copy is not complete" in message, message
+    assert "Rerun the transfer until it succeeds" in message, message
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        blocker.rmdir()
+    comm.Barrier()
+    bbio.stage_in(comm, src, dst, config=config)
+    assert not bbio.verify(comm, src, dst, config=config).problems
+    filtered = shared_tmp / "bb" / "{node}" / "filtered"
+    bbio.stage_in(comm, src, filtered, exclude=["d1/*"], config=config)
+    assert not bbio.verify(comm, src, filtered, config=config).problems  # finished, filtered
+
+
+def test_verify_tells_a_file_without_a_crc_from_a_damaged_one(comm, shared_tmp, src, monkeypatch):
+    """A first run killed before its manifest; the rerun finds the copies up to date, but
+    d1/f5.bin grows before the rerun reads its CRC32C: the manifest records none for it.
+    Verify says so (not a CRC mismatch against 00000000) and names a damaged file apart."""
+    config = two_nodes(comm, shared_tmp)
+    dst = shared_tmp / "bb" / "{node}" / "nocrc"
+    bbio.stage_in(comm, src, dst, config=config)
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        for node in ("0", "1"):
+            files.manifest_path(shared_tmp / "bb" / node / "nocrc").unlink()
+    comm.Barrier()
+    grow_f5_after_the_walk(monkeypatch)
+    bbio.stage_in(comm, src, dst, config=config)
+    monkeypatch.undo()
+    for node in ("0", "1"):
+        entry = files.read_manifest(shared_tmp / "bb" / node / "nocrc").by_path()["d1/f5.bin"]
+        assert entry.crc32c is None
+    damage(comm, shared_tmp / "bb" / "0" / "nocrc" / "d0" / "f4.bin")
+    with pytest.raises(bbio.IntegrityError) as info:
+        bbio.verify(comm, src, dst, config=config)
+    message = same_everywhere(comm, info.value)
+    assert message.startswith("3 problem(s): "), message
+    for node in ("0", "1"):
+        copy = shared_tmp / "bb" / node / "nocrc" / "d1" / "f5.bin"
+        assert f"destination {copy}: no CRC32C recorded" in message, message
+    assert "00000000" not in message and "source " not in message, message
+    damaged = shared_tmp / "bb" / "0" / "nocrc" / "d0" / "f4.bin"
+    assert f"destination {damaged}: 5000 bytes, CRC32C" in message, message
+    assert "Rerun the transfer until it succeeds" in message, message
+    assert "delete the differing destination copies" in message, message

@@ -39,7 +39,7 @@ from bbio.errors import (
 )
 from bbio.stage.plan import Piece, group_by_size, partition
 from bbio.stage.progress import Progress
-from bbio.transfer.files import PieceResult, copy_piece, temp_name, temp_path
+from bbio.transfer.files import PieceResult, copy_piece, open_source, temp_name, temp_path
 from bbio.transfer.manifest import Entry
 
 PieceKey = tuple[str, int]
@@ -130,6 +130,9 @@ def _record_copies(
     for piece, result in zip(pieces, results, strict=True):
         if result.error is not None:
             raise result.error
+        if result.source_not_regular:  # changed since the walk: looked at again
+            outcome.pieces[(piece.path, 0)] = PieceResult(0, 0, True)
+            continue
         entry = entries[piece.path]
         changed = (
             result.nbytes != entry.size
@@ -202,15 +205,16 @@ def make_columns(comm, node: int, node_rank: int, node_size: int) -> Columns:
 
 
 def _open_all(root: Path, paths: Iterable[str], threads: int) -> dict[str, int]:
-    """Open ``paths`` for reading, ``threads`` at a time (opens are slow on a PFS)."""
+    """Open ``paths`` for reading, ``threads`` at a time (opens are slow on a PFS); a path
+    gone or no longer a regular file (:func:`open_source`) is left out."""
     paths = list(paths)
     fds: dict[str, int] = {}
 
-    def open_one(path: str) -> tuple[str, int | BaseException]:
+    def open_one(path: str) -> tuple[str, int | BaseException | None]:
         try:
-            return path, os.open(root / path, os.O_RDONLY)
-        except OSError as exc:
-            return path, from_oserror(exc, "open for reading", root / path)
+            return path, open_source(root / path)
+        except BBIOError as exc:
+            return path, exc
 
     with ThreadPoolExecutor(max(1, min(threads, len(paths)))) as pool:
         opened = list(pool.map(open_one, paths))
@@ -218,7 +222,7 @@ def _open_all(root: Path, paths: Iterable[str], threads: int) -> dict[str, int]:
     for path, result in opened:
         if isinstance(result, int):
             fds[path] = result
-        elif problem is None:
+        elif result is not None and problem is None:
             problem = result
     if problem is not None:
         for fd in fds.values():
@@ -232,31 +236,37 @@ def _read_round(
 ) -> tuple[np.ndarray, list[int], list[bool]]:
     """Read ``pieces`` into one buffer; return it, each piece's CRC32C and 'changed' flag."""
     lengths = [p.length for p in pieces]
+    starts = np.zeros(len(pieces), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
     buffer = np.zeros(sum(lengths), dtype=np.uint8)
     fds: dict[str, int] = {}
+    got = [0] * len(pieces)  # a piece of a file gone or no longer regular: none read, changed
     try:
         fds.update(_open_all(src_root, dict.fromkeys(p.path for p in pieces), threads))
-        got = _native.pread_batch(
-            [fds[p.path] for p in pieces],
-            [p.offset for p in pieces],
-            lengths,
+        readable = [i for i, p in enumerate(pieces) if p.path in fds]
+        read = _native.pread_batch(
+            [fds[pieces[i].path] for i in readable],
+            [pieces[i].offset for i in readable],
+            [lengths[i] for i in readable],
             buffer,
+            [starts[i] for i in readable],
             threads=threads,
-            paths=[src_root / p.path for p in pieces],
+            paths=[src_root / pieces[i].path for i in readable],
         )
+        for i, n in zip(readable, read, strict=True):
+            got[i] = int(n)
         after = {path: os.fstat(fd) for path, fd in fds.items()}
     finally:
         for fd in fds.values():
             os.close(fd)
     crcs, changed = [], []
-    start = 0
-    for p, n in zip(pieces, got, strict=True):
+    for p, n, start in zip(pieces, got, starts, strict=True):
         crcs.append(_native.crc32c(buffer[start : start + p.length]))
-        entry, st = entries[p.path], after[p.path]
+        entry, st = entries[p.path], after.get(p.path)
         changed.append(
-            bool(n != p.length or st.st_size != entry.size or st.st_mtime_ns != entry.mtime_ns)
+            st is None
+            or bool(n != p.length or st.st_size != entry.size or st.st_mtime_ns != entry.mtime_ns)
         )
-        start += p.length
     return buffer, crcs, changed
 
 
@@ -332,7 +342,6 @@ def copy_broadcast(
         round_pieces = [s[k] if k < len(s) else [] for s in schedules]
         counts = [sum(p.length for p in rp) for rp in round_pieces]
         displs = [sum(counts[:i]) for i in range(len(counts))]
-        buffer = np.zeros(counts[columns.member], dtype=np.uint8)
         crcs: list[int] = []
         changed: list[bool] = []
         if failed is None:
@@ -341,11 +350,13 @@ def copy_broadcast(
                     round_pieces[columns.member], entries, src_root, threads
                 )
                 outcome.source_bytes_read += int(buffer.size)
+                received = np.empty(sum(counts), dtype=np.uint8)
             failed = held.error
-        received = np.empty(sum(counts), dtype=np.uint8)
-        columns.comm.Allgatherv(buffer, [received, counts, displs, MPI.BYTE])
+        # Every member's read and buffer are agreed on before the bytes move: a member
+        # that failed (even to allocate) never leaves the others in the Allgatherv.
         meta = columns.comm.allgather((crcs, changed, _described(failed)))
         _raise_first(meta, failed)
+        columns.comm.Allgatherv(buffer, [received, counts, displs, MPI.BYTE])
         with _held(columns.member) as held:
             for sender, (sender_pieces, (sender_crcs, sender_changed, _)) in enumerate(
                 zip(round_pieces, meta, strict=True)
@@ -394,9 +405,11 @@ def _described(error: Exception | None) -> tuple[str, str] | None:
 def _raise_first(meta: Sequence[tuple], mine: Exception | None) -> None:
     """Raise, on every member of a column, the error of its first member that failed
     (the same class and message everywhere); return if none did."""
-    failures = [m[2] for m in meta if m[2] is not None]
+    failures = [(member, m[2]) for member, m in enumerate(meta) if m[2] is not None]
     if not failures:
         return
-    name, message = failures[0]
+    member, (name, message) = failures[0]  # a column's member is a node: bbio errors say it
     cls = CLASSES_BY_NAME.get(name)
-    raise (CollectiveError(f"{name}: {message}") if cls is None else cls(message)) from mine
+    if cls is None:
+        raise CollectiveError(f"node {member}: {name}: {message}") from mine
+    raise cls(message) from mine

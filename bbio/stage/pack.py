@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
+import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -34,7 +36,7 @@ from bbio.report import format_bytes, format_table
 from bbio.stage.plan import group_by_size
 from bbio.stage.walk import check_destination, check_no_node, check_outside, check_readable, walk
 from bbio.transfer import files
-from bbio.transfer.manifest import Entry
+from bbio.transfer.manifest import SYMLINK, Entry
 
 FORMAT = "bbio-pack/1"
 INDEX_NAME = "bbio-pack.json"
@@ -45,6 +47,7 @@ _SLAB = 64 << 20
 _SAMPLE_OVERHEAD_BYTES = 128
 _SHARD_OVERHEAD_BYTES = 64 << 10
 FULL_HINT = "free space there, or pack fewer files (--include/--exclude)"
+CHANGED_HINT = "stop what writes to the source, then run bbio pack again"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,18 +65,21 @@ class ShardInfo:
 
 @dataclasses.dataclass
 class PackSummary:
-    """What ``pack`` wrote."""
+    """What ``pack`` wrote; ``not_packed``: the source's paths it left out, which are not
+    regular files."""
 
     samples: int
     shards: int
     bytes: int
     seconds: float
     warnings: list[str] = dataclasses.field(default_factory=list)
+    not_packed: list[str] = dataclasses.field(default_factory=list)
 
     def report(self) -> str:
         """A readable summary."""
         rows = [
             ("samples", self.samples),
+            ("not packed (not regular files)", len(self.not_packed)),
             ("shards", self.shards),
             ("bytes", format_bytes(self.bytes)),
             ("seconds", f"{self.seconds:.2f}"),
@@ -91,29 +97,71 @@ def _h5py():
     return h5py
 
 
+def _open_regular(path: Path) -> int:
+    """Open ``path`` for reading; raise :class:`IntegrityError` unless it is (still) a
+    regular file.  A symlink put in its place is not followed, a FIFO does not block."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise IntegrityError(
+                f"{path} is a symlink now, not the regular file the walk of the source found",
+                hint=CHANGED_HINT,
+            ) from None
+        raise from_oserror(exc, "open for reading", path) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IntegrityError(
+            f"{path} is no longer a regular file (a FIFO, socket or device was put in its "
+            "place since the walk of the source)",
+            hint=CHANGED_HINT,
+        )
+    return fd
+
+
+def _change(entry: Entry, got: int, st: os.stat_result) -> str | None:
+    """How a file read as ``got`` bytes, and whose ``fstat`` after the read is ``st``,
+    differs from ``entry`` (the walk's view of it); None if it does not."""
+    if st.st_size != entry.size:
+        return f"{entry.size} bytes when the source was walked, {st.st_size} now"
+    if got != entry.size:
+        return f"{got} of its {entry.size} bytes could be read"
+    if st.st_mtime_ns != entry.mtime_ns:
+        return "modified since the source was walked"
+    return None
+
+
 def _read_files(src: Path, group: Sequence[Entry], threads: int) -> tuple[np.ndarray, list[int]]:
-    """The bytes of ``group`` back to back, and each file's CRC32C."""
+    """The bytes of ``group`` back to back, and each file's CRC32C.
+
+    Raises :class:`IntegrityError` naming the files that are not, after the read,
+    the regular files of the size and mtime the walk saw: their bytes could be
+    torn, or not be the ones that were walked.
+    """
     sizes = [e.size for e in group]
     buffer = np.empty(sum(sizes), dtype=np.uint8)
-    fds = []
+    fds: list[int] = []
     try:
         for e in group:
-            try:
-                fds.append(os.open(src / e.path, os.O_RDONLY))
-            except OSError as exc:
-                raise from_oserror(exc, "open for reading", src / e.path) from None
+            fds.append(_open_regular(src / e.path))
         got = _native.pread_batch(
             fds, [0] * len(fds), sizes, buffer, threads=threads, paths=[src / e.path for e in group]
         )
+        after = [os.fstat(fd) for fd in fds]
     finally:
         for fd in fds:
             os.close(fd)
-    short = [e.path for e, n in zip(group, got, strict=True) if n != e.size]
-    if short:
+    changes = [
+        f"{e.path} ({change})"
+        for e, n, st in zip(group, got, after, strict=True)
+        if (change := _change(e, int(n), st))
+    ]
+    if changes:
         raise IntegrityError(
-            f"{len(short)} file(s) changed size while being packed: {', '.join(short[:10])}",
+            f"{len(changes)} file(s) changed while being packed: {'; '.join(changes[:10])}"
+            + (f" (and {len(changes) - 10} more)" if len(changes) > 10 else ""),
             path=src,
-            hint="stop what writes to the source and run bbio pack again",
+            hint=CHANGED_HINT,
         )
     crcs, start = [], 0
     for size in sizes:
@@ -263,7 +311,10 @@ def pack(
     fails, ``out`` is no pack), and its shards beyond the new ones after.
     Every rank must pass the same arguments; ``out`` (one directory, no
     ``{node}``) must not lie inside ``src`` and needs room for the shards,
-    which is checked first: else every rank raises the same error.
+    which is checked first: else every rank raises the same error, as it does
+    when a file changed since the walk (:func:`_read_files`).  Only regular
+    files are packed: the summary names the paths that are not
+    (``not_packed``, and a warning).
     """
     config = config or load_config()
     same_arguments(
@@ -327,13 +378,29 @@ def pack(
             )
             _remove_shards_beyond(out, len(infos))
     unmatched = (include or exclude) and not tree.files
+    warnings = ["--include/--exclude selected no file of the source"] if unmatched else []
+    not_packed = sorted(
+        [e.path for e in tree.entries if e.kind == SYMLINK] + [s.path for s in tree.skipped]
+    )
     return PackSummary(
         len(tree.files),
         len(infos),
         tree.total_bytes,
         time.monotonic() - start,
-        ["--include/--exclude selected no file of the source"] if unmatched else [],
+        warnings + _not_packed_warning(not_packed),
+        not_packed,
     )
+
+
+def _not_packed_warning(paths: Sequence[str]) -> list[str]:
+    """The warning naming (the first few of) ``paths``, the source's paths not packed."""
+    if not paths:
+        return []
+    more = f" (and {len(paths) - 5} more)" if len(paths) > 5 else ""
+    return [
+        f"{len(paths)} path(s) of the source were not packed, since only regular files are "
+        f"(symlinks, FIFOs, sockets and devices are not): {', '.join(paths[:5])}{more}"
+    ]
 
 
 def read_index(out: str | os.PathLike) -> list[ShardInfo]:

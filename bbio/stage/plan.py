@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
 from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry
@@ -57,19 +57,38 @@ def up_to_date(src: Entry, dst: DestState | None) -> bool:
     return src.kind == DIR or (dst.size == src.size and dst.mtime_ns == src.mtime_ns)
 
 
-def not_through_symlinks(dest: Mapping[str, DestState]) -> dict[str, DestState]:
-    """``dest`` without the paths below one of its symlinks: what was seen through a
-    symlink (a copy of an earlier source symlink, replaced by a directory before the
-    copy) is not in the destination."""
-    links = {path for path, state in dest.items() if state.kind == SYMLINK}
+def _ancestors(path: str) -> Iterator[str]:
+    """The directories above ``path`` ("a/b/c": "a/b", then "a")."""
+    cut = path.rfind("/")
+    while cut > 0:
+        path = path[:cut]
+        yield path
+        cut = path.rfind("/")
+
+
+def without(entries: Iterable[Entry], paths: Collection[str]) -> list[Entry]:
+    """``entries`` but those of ``paths`` and those below them."""
+    if not paths:
+        return list(entries)
+    return [
+        e
+        for e in entries
+        if e.path not in paths and not any(p in paths for p in _ancestors(e.path))
+    ]
+
+
+def not_through_symlinks(
+    dest: Mapping[str, DestState], followed: Collection[str] = ()
+) -> dict[str, DestState]:
+    """``dest`` without the paths below one of its symlinks, but for those ``followed``:
+    what was seen through a symlink (a copy of an earlier source symlink, replaced by a
+    directory before the copy) is not in the destination."""
+    links = {path for path, state in dest.items() if state.kind == SYMLINK} - set(followed)
     if not links:
         return dict(dest)
-
-    def through_link(path: str) -> bool:
-        parts = path.split("/")
-        return any("/".join(parts[:i]) in links for i in range(1, len(parts)))
-
-    return {path: state for path, state in dest.items() if not through_link(path)}
+    return {
+        path: state for path, state in dest.items() if not any(p in links for p in _ancestors(path))
+    }
 
 
 def to_copy(entries: Iterable[Entry], dest: Mapping[str, DestState]) -> list[Entry]:
@@ -245,6 +264,120 @@ def differing_copies(
         Conflict(path, tuple(nodes))
         for path, nodes in sorted(alike.items())
         if len({crcs[n][path] for n in nodes}) > 1
+    ]
+
+
+def damaged_mtime(mtime_ns: int) -> int:
+    """The mtime stage-out's verify gives a damaged copy of a file of mtime ``mtime_ns``:
+    one its source does not have, so that a rerun copies it again."""
+    return 1 if mtime_ns == 0 else 0
+
+
+def is_recorded(now: DestState, versions: Iterable[Entry]) -> bool:
+    """True if the destination's ``now`` is one of the ``versions`` bbio wrote or read at
+    its path (kind, size and mtime, or target), or such a file's copy that stage-out's
+    verify marked damaged (:func:`damaged_mtime`)."""
+    for v in versions:
+        if v.kind != now.kind:
+            continue
+        if v.kind == SYMLINK and v.target == now.target:
+            return True
+        if v.kind == FILE and (now.size, now.mtime_ns) == (v.size, v.mtime_ns):
+            return True
+        if v.kind == FILE and now.mtime_ns == damaged_mtime(v.mtime_ns):
+            return True
+    return False
+
+
+def to_check(entries: Iterable[Entry], seen: Mapping[str, DestState]) -> list[str]:
+    """Stage-out: the paths of ``entries`` whose destination (``seen``, also through
+    symlinks) :func:`plan_destination` compares with what bbio recorded: files and symlinks
+    it holds in another version, and symlinks where the source has a directory."""
+    return [
+        e.path
+        for e in entries
+        if e.path in seen
+        and (seen[e.path].kind == SYMLINK if e.kind == DIR else not up_to_date(e, seen[e.path]))
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Destination:
+    """Stage-out: the destination as the copy sees it, and what it must not replace."""
+
+    current: dict[str, DestState]  # what each path holds, through the followed symlinks
+    followed: frozenset[str]  # the user's symlinks to directories outside it: written through
+    replaced: frozenset[str]  # symlinks replaced by directories
+    changed: list[str]  # files and symlinks changed since bbio wrote or read them: refused
+    foreign_links: list[str]  # the user's other symlinks where the source has a directory: refused
+
+
+def plan_destination(
+    entries: Sequence[Entry],
+    seen: Mapping[str, DestState],
+    records: Mapping[str, Sequence[Entry]],
+    outward: Collection[str],
+    overwrite: bool,
+) -> Destination:
+    """Stage-out: what copying ``entries`` may do to the destination ``seen`` (its lstat,
+    also through symlinks).
+
+    ``records`` holds the versions bbio last wrote at each path or read there (the
+    destination's manifest and pending record, the stage-in manifest of the copy);
+    ``outward``, the symlinks of ``seen`` that lead to a directory outside the
+    destination.  A symlink where the source has a directory is replaced by a directory
+    when it is a version bbio recorded, followed (written through) when it leads
+    outward, else refused (``foreign_links``).  A file or symlink to copy whose
+    destination holds a version other than those recorded for it is refused
+    (``changed``); one with no record is replaced, as ``cp`` does.  With ``overwrite``
+    nothing is refused: all of them are replaced.
+    """
+    followed: set[str] = set()
+    replaced: set[str] = set()
+    foreign: list[str] = []
+    links = sorted(
+        (e.path for e in entries if e.kind == DIR and e.path in seen),
+        key=lambda path: path.count("/"),
+    )
+    for path in links:
+        now = seen[path]
+        if now.kind != SYMLINK or any(
+            p in seen and seen[p].kind == SYMLINK and p not in followed for p in _ancestors(path)
+        ):
+            continue  # a directory, or seen through a symlink that is not followed
+        if is_recorded(now, records.get(path, ())):
+            replaced.add(path)
+        elif path in outward:
+            followed.add(path)
+        elif overwrite:
+            replaced.add(path)
+        else:
+            foreign.append(f"{path} -> {now.target}")
+    current = not_through_symlinks(seen, followed)
+    changed = [
+        e.path
+        for e in to_copy(entries, current)
+        if not overwrite
+        and e.path in current
+        and e.path in records
+        and not is_recorded(current[e.path], records[e.path])
+    ]
+    return Destination(current, frozenset(followed), frozenset(replaced), changed, foreign)
+
+
+def created_dirs(
+    dirs: Iterable[Entry], destination: Destination, pending: Collection[str]
+) -> list[Entry]:
+    """Stage-out: the directories of ``dirs`` this run makes (absent, or a symlink it
+    replaces) or that an interrupted run made (``pending``, still directories): the only
+    ones it gives their source's mode and mtime.  Every other directory is left as it is."""
+    current = destination.current
+    return [
+        d
+        for d in dirs
+        if d.path not in current
+        or d.path in destination.replaced
+        or (d.path in pending and current[d.path].kind == DIR)
     ]
 
 

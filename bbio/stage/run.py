@@ -12,8 +12,10 @@ write the manifest last.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import os
+import posixpath
 import stat
 import time
 from collections.abc import Iterable, Sequence
@@ -61,6 +63,7 @@ log = logging.getLogger("bbio")
 MODES = ("replicate", "shard")
 MAX_ATTEMPTS = 3
 RETRY_BACKOFF_SECONDS = 1.0  # times the attempt number: gives a writer time to finish
+PENDING = "stage-out-pending"  # DST/.bbio/stage-out-pending.json: what a stage-out began writing
 
 
 @dataclasses.dataclass
@@ -110,8 +113,9 @@ class StageSummary:
 def dest_state(comm, root: Path, paths: Sequence[str]) -> dict[str, plan.DestState]:
     """Collective over ``comm``: what ``root/path`` holds now, for every path (lstat, dealt out).
 
-    A path seen through a symlink among ``paths`` counts as absent.  A path that
-    cannot be looked at fails the call on every rank of ``comm``.
+    A path below a symlink among ``paths`` is looked at through it
+    (:func:`plan.not_through_symlinks` leaves it out).  A path that cannot be
+    looked at fails the call on every rank of ``comm``.
     """
     base = os.fspath(root)
 
@@ -138,15 +142,7 @@ def dest_state(comm, root: Path, paths: Sequence[str]) -> dict[str, plan.DestSta
     merged: dict[str, plan.DestState] = {}
     for part in agreed_allgather(comm, f"looking at {root}", look):
         merged.update(part)
-    return plan.not_through_symlinks(merged)
-
-
-def _without(entries: Iterable[Entry], paths: set[str]) -> list[Entry]:
-    return [
-        e
-        for e in entries
-        if e.path not in paths and not any(e.path.startswith(p + "/") for p in paths)
-    ]
+    return merged
 
 
 def _check_capacity(root: Path, needed: int, node: int | None, hint: str) -> None:
@@ -169,22 +165,25 @@ def _nothing_selected(entries: Sequence[Entry], include, exclude) -> list[str]:
     return []
 
 
-def remove_leftovers(comm, root: Path, dirs: Sequence[Entry]) -> int:
+def remove_leftovers(comm, root: Path, writable: Sequence[str], others: Iterable[str]) -> int:
     """Collective over ``comm``: delete temporary files an interrupted run left under ``root``,
-    and let the owner write into the tree's directories again.
+    and let the owner write into the ``writable`` directories again.
 
-    Looks in ``root``, its ``.bbio`` and the tree's directories (dealt out over the ranks);
-    returns how many were removed.  Frees their space before the capacity check.
-    A directory copied read-only (its source's mode, set when a run finishes)
-    gets the owner's write and search bits back until this run finishes it:
-    else nothing new could be copied into it, nor anything removed.
+    Looks in ``root``, its ``.bbio``, and the directories ``writable`` (the tree's, on a
+    stage-in) and ``others`` (of an earlier tree, of an interrupted run), dealt out
+    over the ranks; returns how many were removed.  Frees their space before the
+    capacity check.  A ``writable`` directory copied read-only (its source's mode, set
+    when a run finishes) gets the owner's write and search bits back until this run
+    finishes it: else nothing new could be copied into it, nor anything removed.
     """
+    chmod = set(writable)
+    where = sorted({"", META_DIR, *chmod, *others})
 
     def remove() -> int:
         removed = 0
-        for rel in deal(["", META_DIR, *(d.path for d in dirs)], comm):
+        for rel in deal(where, comm):
             try:
-                if rel:
+                if rel in chmod:
                     _let_owner_write(root / rel)
                 removed += files.remove_temp_files(root / rel)
             except (FileNotFoundError, NotADirectoryError):
@@ -215,9 +214,9 @@ def _remove_temps(root: Path, paths: Iterable[str]) -> None:
 
 
 def _make_dirs(root: Path, dirs: Iterable[Entry], node: int | None) -> None:
-    """Create ``root`` and ``dirs`` under it, parents first.  A symlink where the source
-    has a directory (a copy of what the source held before) is replaced, never followed:
-    files copied through it would land elsewhere in the tree."""
+    """Create ``root`` and ``dirs`` under it, parents first.  A symlink among ``dirs`` (a
+    copy of what the source held before) is replaced, never followed: files copied
+    through it would land elsewhere in the tree.  Not collective."""
     below = sorted((root / d.path for d in dirs), key=lambda p: len(p.parts))
     for path in (root, *below):
         try:
@@ -250,27 +249,34 @@ def _set_modes(root: Path, changed: Sequence[Entry]) -> None:
 
 
 def _finish_dirs(root: Path, dirs: Sequence[Entry]) -> None:
+    """Give ``dirs`` (under ``root``) their source's mode and mtime, deepest first, and fsync
+    them and their parents.  Not collective."""
     for d in sorted(dirs, key=lambda e: e.path.count("/"), reverse=True):
         os.chmod(root / d.path, d.mode)
         os.utime(root / d.path, ns=(d.mtime_ns, d.mtime_ns))
-    files.fsync_dirs([root, *(root / d.path for d in dirs)])
+    files.fsync_dirs(
+        [root, *((root / d.path).parent for d in dirs), *(root / d.path for d in dirs)]
+    )
 
 
 def _refresh(job: _Transfer, paths: Sequence[str]) -> dict[str, Entry]:
     """Collective over ``job.comm``: re-stat this node's ``paths`` under the source (files
-    that changed), shared among the node's ranks; a path gone (or no longer under a
-    directory) is left out.  Any other failure is every rank's error."""
+    that changed), shared among the node's ranks; a path gone (no longer a regular
+    file, or no longer under a directory) is left out.  Any other failure is every
+    rank's error."""
     topo = job.topo
 
     def stat_share() -> tuple[int, dict[str, Entry]]:
         fresh = {}
         for path in deal(sorted(paths), topo.node_comm):
             try:
-                st = os.stat(job.src_root / path)
+                st = os.lstat(job.src_root / path)  # symlinks are never followed
             except (FileNotFoundError, NotADirectoryError):
                 continue
             except OSError as exc:
                 raise from_oserror(exc, "look again at", job.src_root / path) from None
+            if not stat.S_ISREG(st.st_mode):
+                continue  # replaced by a symlink, a directory...: the file is gone
             fresh[path] = Entry(
                 path, FILE, size=st.st_size, mtime_ns=st.st_mtime_ns, mode=st.st_mode & 0o7777
             )
@@ -603,7 +609,7 @@ def _verify_copies(
                     if delete:
                         (root / path).unlink()
                     else:  # an mtime no source has now, so that the rerun sees it differ
-                        stale = 1 if entries[path].mtime_ns == 0 else 0
+                        stale = plan.damaged_mtime(entries[path].mtime_ns)
                         os.utime(root / path, ns=(stale, stale), follow_symlinks=False)
                 except OSError as exc:
                     raise from_oserror(exc, "mark the damaged copy", root / path) from None
@@ -725,7 +731,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     listers = config.stage_threads(topo.node_comm.Get_size())
     tree = walk(comm, src, include, exclude, listers)
     problems = check_readable(tree, skip_unreadable, str(src))
-    entries = _without(tree.entries, {p.path for p in problems})
+    entries = plan.without(tree.entries, {p.path for p in problems})
     skipped = tree.skipped + problems
     holder = (
         plan.assign_nodes([e for e in entries if e.kind == FILE], topo.nodes)
@@ -736,12 +742,14 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     dirs = [e for e in mine if e.kind == DIR]
     current: dict[str, plan.DestState] = {}
     with agreed(comm, "stage-in: looking at the destination"):
-        current = dest_state(topo.node_comm, dst_root, [e.path for e in mine])
+        current = plan.not_through_symlinks(
+            dest_state(topo.node_comm, dst_root, [e.path for e in mine])
+        )
     todo = plan.to_copy(mine, current)
     old = _previous_manifest(comm, topo.node_comm, dst_root, todo, "stage-in")
     chmod = plan.to_chmod(mine, current, _recorded_modes(old))
     with agreed(comm, "stage-in: removing what an interrupted run left"):
-        remove_leftovers(topo.node_comm, dst_root, dirs)
+        remove_leftovers(topo.node_comm, dst_root, [d.path for d in dirs], _parents([old]))
     with agreed(comm, "stage-in: checking burst-buffer space"):
         if topo.is_leader:
             _check_capacity(
@@ -859,13 +867,18 @@ def stage_out(
     include: Sequence[str] = (),
     exclude: Sequence[str] = (),
     skip_unreadable: bool = False,
+    overwrite: bool = False,
     config: Config | None = None,
 ) -> StageSummary:
     """Collective over ``comm``: merge every node's ``src`` (may contain ``{node}``) into ``dst``.
 
     Each path of the merged tree is written by exactly one node; a path that
     several nodes hold in different versions is refused before anything is
-    copied.  Identical versions (same size and mtime) are written once.
+    copied.  Identical versions (same size and mtime) are written once.  A path of
+    ``dst`` changed since bbio last wrote or read it there (by a stage-out into
+    ``dst``, or the stage-in from ``dst`` that ``src`` came from) is refused too,
+    unless ``overwrite``.  Directories that exist in ``dst`` keep their mode and
+    mtime; a symlink in ``dst`` to a directory outside it is written through.
     ``dst/.bbio/manifest.json`` is written last.
 
     Every rank must pass the same arguments, every node must hold ``src``, and
@@ -886,6 +899,7 @@ def stage_out(
             "include": include,
             "exclude": exclude,
             "skip_unreadable": skip_unreadable,
+            "overwrite": overwrite,
         },
     )
     check_no_node(dst, "destination", "stage-out")
@@ -901,6 +915,7 @@ def stage_out(
             include,
             exclude,
             skip_unreadable,
+            overwrite,
             config,
             start,
         )
@@ -908,7 +923,126 @@ def stage_out(
         topo.free()
 
 
-def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreadable, config, start):
+def _read_destination_records(comm, root: Path) -> tuple[Manifest | None, Manifest | None]:
+    """Collective over ``comm``: the manifest of the stage-out destination ``root`` and its
+    pending record (:data:`PENDING`), read by rank 0."""
+    found: tuple[Manifest | None, Manifest | None] = (None, None)
+    with agreed(comm, "stage-out: reading the previous manifest"):
+        if comm.Get_rank() == 0:
+            found = (files.read_manifest(root), files.read_manifest(root, PENDING))
+    return comm.bcast(found, root=0)
+
+
+def _recorded_versions(
+    comm,
+    topo: Topology,
+    src_root: Path,
+    dst_root: Path,
+    documents: Iterable[Manifest | None],
+    paths: Sequence[str],
+) -> dict[str, list[Entry]]:
+    """Collective over ``comm``: for ``paths``, the versions bbio last wrote in ``dst_root``
+    or read there: those of its ``documents`` (manifest, pending record) and of the
+    stage-in manifest each node's ``src_root`` holds when it was copied from ``dst_root``."""
+    wanted = set(paths)
+    source = str(dst_root.resolve())
+
+    def stage_in_record() -> list[Entry]:
+        manifest = files.read_manifest(src_root) if topo.is_leader and wanted else None
+        if manifest is None or manifest.kind != "stage-in":
+            return []
+        if manifest.attrs.get("source") != source:
+            return []
+        return [e for e in manifest.entries if e.path in wanted]
+
+    what = "stage-out: reading the manifest of the stage-in each source came from"
+    read = agreed_allgather(comm, what, stage_in_record)
+    found: dict[str, list[Entry]] = {}
+    for e in itertools.chain(*(d.entries for d in documents if d is not None), *read):
+        if e.path in wanted and e not in found.setdefault(e.path, []):
+            found[e.path].append(e)
+    return found
+
+
+def _leading_out(comm, root: Path, links: Sequence[str]) -> set[str]:
+    """Collective over ``comm``: the symlinks ``links`` under ``root`` that lead to a
+    directory outside ``root`` (looked at by rank 0)."""
+    found: set[str] = set()
+    if comm.Get_rank() == 0:
+        inside = os.path.realpath(root)
+        for link in links:
+            target = os.path.realpath(root / link)
+            if os.path.isdir(target) and os.path.commonpath([inside, target]) != inside:
+                found.add(link)
+    return comm.bcast(found, root=0)
+
+
+def _parents(documents: Iterable[Manifest | None]) -> set[str]:
+    """The directories that held the entries of ``documents`` (where their temporary
+    files were)."""
+    return {posixpath.dirname(e.path) for d in documents if d is not None for e in d.entries}
+
+
+def _record_pending(
+    root: Path, old: Manifest | None, pending: Manifest | None, changing: Sequence[Entry]
+) -> None:
+    """Not collective: before anything under ``root`` changes, add the versions about to be
+    written there (``changing``) to its pending record, so that the next run knows them
+    for bbio's if this one is interrupted; then withdraw their entries from ``old``."""
+    earlier = pending.entries if pending is not None else []
+    files.write_manifest(
+        root, Manifest("stage-out", list(dict.fromkeys([*earlier, *changing]))), PENDING
+    )
+    if old is not None:
+        files.withdraw_entries(root, old, [e.path for e in changing if e.kind != DIR])
+
+
+def _forget_pending(root: Path) -> None:
+    """Not collective: remove the pending record of ``root`` (its manifest lists it all)."""
+    record = files.manifest_path(root, PENDING)
+    try:
+        record.unlink(missing_ok=True)
+    except OSError as exc:
+        raise from_oserror(exc, "remove", record) from None
+
+
+def _refuse_replacing(root: Path, destination: plan.Destination) -> None:
+    """Raise the :class:`AlreadyExistsError` that lists what stage-out must not replace in
+    ``root``, unless there is nothing.  Not collective (every rank has the same plan)."""
+    parts = []
+    if destination.changed:
+        parts.append(
+            f"{len(destination.changed)} path(s) changed since bbio last wrote or read them "
+            "there: " + "; ".join(destination.changed[:20])
+        )
+    if destination.foreign_links:
+        parts.append(
+            f"{len(destination.foreign_links)} symlink(s) of yours where the source has a "
+            "directory, which bbio follows only to a directory outside the destination: "
+            + "; ".join(destination.foreign_links[:20])
+        )
+    if parts:
+        raise AlreadyExistsError(
+            f"stage-out would replace, in {root}, " + ", and ".join(parts),
+            path=root,
+            hint="move aside what you want to keep (or leave it out with --exclude), "
+            "or pass --overwrite (overwrite=True) to replace it",
+        )
+
+
+def _stage_out(
+    comm,
+    topo,
+    src,
+    dst_root,
+    verify,
+    include,
+    exclude,
+    skip_unreadable,
+    overwrite,
+    config,
+    start,
+):
     src_root = config.node_dir(src, topo.node, topo.nodes_on_host)
     with agreed(comm, "stage-out: checking the sources and the destination"):
         if topo.is_leader:
@@ -923,13 +1057,23 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
     problems: list[Skipped] = []
     with agreed(comm, "stage-out: checking that every source file is readable"):
         problems = check_readable(tree, skip_unreadable, f"{src_root} (node {topo.node})")
-    entries = _without(tree.entries, {p.path for p in problems})
+    entries = plan.without(tree.entries, {p.path for p in problems})
     trees = comm.allgather(entries if topo.is_leader else None)
     trees = [t for t in trees if t is not None]
     chosen, conflicts = plan.merge_node_trees(trees)
     merged = {e.path: e for node_entries in reversed(trees) for e in node_entries}
     everything = [merged[p] for p in sorted(merged)]
-    current = dest_state(comm, dst_root, [e.path for e in everything])
+    dirs = [e for e in everything if e.kind == DIR]
+    seen = dest_state(comm, dst_root, [e.path for e in everything])
+    old, pending = _read_destination_records(comm, dst_root)
+    records = _recorded_versions(
+        comm, topo, src_root, dst_root, (old, pending), plan.to_check(everything, seen)
+    )
+    links = [d.path for d in dirs if d.path in seen and seen[d.path].kind == SYMLINK]
+    destination = plan.plan_destination(
+        everything, seen, records, _leading_out(comm, dst_root, links), overwrite
+    )
+    current = destination.current
     todo_all = plan.to_copy(everything, current)
     differing = _differing_copies(comm, topo, src_root, trees, {e.path for e in todo_all})
     conflicts = sorted([*conflicts, *differing], key=lambda c: c.path)
@@ -942,7 +1086,7 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
             path=dst_root,
             hint="give each node's outputs distinct names (for example include the node or rank)",
         )
-    dirs = [e for e in everything if e.kind == DIR]
+    _refuse_replacing(dst_root, destination)
     skipped = sorted(
         [
             s
@@ -951,9 +1095,10 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
         ],
         key=lambda s: s.path,
     )
-    old = _previous_manifest(comm, comm, dst_root, todo_all, "stage-out")
+    made_before = {e.path for e in pending.entries if e.kind == DIR} if pending else set()
+    created = plan.created_dirs(dirs, destination, made_before)
     chmod = plan.to_chmod(everything, current, _recorded_modes(old))
-    remove_leftovers(comm, dst_root, dirs)
+    remove_leftovers(comm, dst_root, [], {*(d.path for d in dirs), *_parents((old, pending))})
     mine = [e for e in todo_all if chosen[e.path] == topo.node]
     with agreed(comm, "stage-out: checking space and creating directories"):
         if comm.Get_rank() == 0:
@@ -963,17 +1108,19 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
                 None,
                 "free space there, or stage out fewer files (--include/--exclude)",
             )
-            _make_dirs(dst_root, dirs, None)
+            if todo_all or created:
+                _record_pending(dst_root, old, pending, [*todo_all, *created])
+            _make_dirs(dst_root, created, None)
             _set_modes(dst_root, chmod)
     comm.Barrier()
     job = _Transfer(
         comm, topo, config, "stage-out", src_root, dst_root, False, skip_unreadable, skipped
     )
     copied = _copy_loop(job, [e for e in mine if e.kind == FILE])
-    links = 0
+    links_made = 0
     with agreed(comm, "stage-out: creating symlinks"):
         if topo.is_leader:
-            links = _commit_symlinks(dst_root, [e for e in mine if e.kind == SYMLINK])
+            links_made = _commit_symlinks(dst_root, [e for e in mine if e.kind == SYMLINK])
     comm.Barrier()
     todo_paths = {e.path for e in todo_all}
     unchanged = [e for e in everything if e.kind == FILE and e.path not in todo_paths]
@@ -987,7 +1134,7 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
     given_up = {s.path for s in skipped}
     with agreed(comm, "stage-out: finishing directories and writing the manifest"):
         if comm.Get_rank() == 0:
-            _finish_dirs(dst_root, dirs)
+            _finish_dirs(dst_root, created)
             files.write_manifest(
                 dst_root,
                 Manifest(
@@ -1005,8 +1152,9 @@ def _stage_out(comm, topo, src, dst_root, verify, include, exclude, skip_unreada
                     },
                 ),
             )
+            _forget_pending(dst_root)
     totals = sum_over_ranks(
-        comm, *((copied.files + links, copied.bytes_written) if topo.is_leader else (0, 0))
+        comm, *((copied.files + links_made, copied.bytes_written) if topo.is_leader else (0, 0))
     )
     _warn(comm, skipped)
     return StageSummary(

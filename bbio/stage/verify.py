@@ -23,6 +23,14 @@ from bbio.transfer.manifest import FILE, SYMLINK, Entry, Manifest
 
 NODE = "{node}"
 SOURCE, DESTINATION = "source", "destination"
+DIFFERENCE_HINT = (
+    "delete the differing destination copies, then rerun the transfer: it copies what is "
+    "missing (a rerun alone keeps a copy whose size and mtime match)"
+)
+RERUN_HINT = (
+    "rerun the transfer until it succeeds: it copies what is missing or changed (a stage-in "
+    "with --include, --exclude or --skip-unreadable is never complete)"
+)
 
 
 @dataclasses.dataclass
@@ -44,7 +52,8 @@ class VerifyReport:
 
 
 def _check(root: Path, entry: Entry, side: str) -> tuple[int, str | None]:
-    """(bytes read, problem or None) for one path of one side."""
+    """(bytes read, problem or None) for one path of one side: a symlink, or a file whose
+    CRC32C the manifest records."""
     path = root / entry.path
     if entry.kind == SYMLINK:
         try:
@@ -61,9 +70,29 @@ def _check(root: Path, entry: Entry, side: str) -> tuple[int, str | None]:
     if size != entry.size or crc != entry.crc32c:
         return size, (
             f"{side} {path}: {size} bytes, CRC32C {crc:08x}; "
-            f"the manifest says {entry.size} bytes, {entry.crc32c or 0:08x}"
+            f"the manifest says {entry.size} bytes, {entry.crc32c:08x}"
         )
     return size, None
+
+
+def _unverifiable(manifest: Manifest, dst_root: Path, entries: Sequence[Entry]) -> list[str]:
+    """Why ``manifest`` (of ``dst_root``) cannot vouch for the copy: the last transfer did
+    not finish, and which of ``entries`` are files without a CRC32C.  Not collective.
+    A finished copy that filtered or skipped files is checked for what it holds."""
+    problems = []
+    if manifest.attrs.get("unfinished"):
+        problems.append(
+            f"{files.manifest_path(dst_root)}: the copy is not complete: the last transfer "
+            f"into {dst_root} failed or was interrupted, so it may lack files of the source "
+            "or hold older versions of them"
+        )
+    problems.extend(
+        f"{DESTINATION} {dst_root / e.path}: no CRC32C recorded (the file changed while it "
+        "was transferred), so the copy cannot be checked"
+        for e in entries
+        if e.kind == FILE and e.crc32c is None
+    )
+    return problems
 
 
 def _checks(comm, root: Path, entries: Sequence[Entry], side: str) -> tuple[int, int, list[str]]:
@@ -84,7 +113,8 @@ def verify(
     """Collective over ``comm``: compare SRC and DST with DST's manifest, by re-reading both.
 
     Either side may contain ``{node}`` (a per-node burst buffer).  Raises
-    :class:`IntegrityError` naming every file that differs or is missing.
+    :class:`IntegrityError` naming every file that differs or is missing, every
+    manifest not ``complete`` and every file it records no CRC32C for.
     """
     config = config or load_config()
     arguments = {"src": src, "dst": dst, "ranks_per_node": config.ranks_per_node}
@@ -105,10 +135,21 @@ def verify(
                     node=topo.node if dst_per_node else None,
                     hint="run the stage-in or stage-out command (again) first",
                 )
-        checkable = [e for e in manifest.entries if e.kind in (FILE, SYMLINK)]
+        checkable = [
+            e
+            for e in manifest.entries
+            if e.kind == SYMLINK or (e.kind == FILE and e.crc32c is not None)
+        ]
 
         def held_here(e: Entry) -> bool:
             return e.node is None or e.node == topo.node
+
+        unverifiable: list[str] = []  # one rank per manifest reports it
+        if dst_per_node and topo.node_comm.Get_rank() == 0:
+            mine = [e for e in manifest.entries if held_here(e)]
+            unverifiable = _unverifiable(manifest, dst_root, mine)
+        elif not dst_per_node and comm.Get_rank() == 0:
+            unverifiable = _unverifiable(manifest, dst_root, manifest.entries)
 
         results = []
         with agreed(comm, "verify: re-reading"):
@@ -125,14 +166,20 @@ def verify(
         checked = sum(r[0] for r in results)
         read = sum(r[1] for r in results)
         checked, read = sum_over_ranks(comm, checked, read)
-        problems = sorted(
-            p for part in comm.allgather([p for r in results for p in r[2]]) for p in part
-        )
+        parts = comm.allgather((unverifiable, [p for r in results for p in r[2]]))
+        unverifiable = sorted(p for part, _ in parts for p in part)
+        differences = sorted(p for _, part in parts for p in part)
+        problems = unverifiable + differences
         if problems:
+            more = f" (and {len(problems) - 20} more)" if len(problems) > 20 else ""
+            hints = []
+            if unverifiable:
+                hints.append(RERUN_HINT)
+            if differences:
+                hints.append(DIFFERENCE_HINT)
             raise IntegrityError(
-                f"{len(problems)} difference(s): " + "; ".join(problems[:20]),
-                hint="delete the differing destination copies, then rerun the transfer: it "
-                "copies what is missing (a rerun alone keeps a copy whose size and mtime match)",
+                f"{len(problems)} problem(s): " + "; ".join(problems[:20]) + more,
+                hint="; ".join(hints),
             )
         return VerifyReport(checked, read, problems)
     finally:

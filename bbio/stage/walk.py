@@ -75,6 +75,16 @@ def selected(path: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
     return not any(fnmatch.fnmatchcase(path, p) for p in exclude)
 
 
+def excluded_dir(path: str, exclude: Sequence[str]) -> bool:
+    """Whether the walk leaves directory ``path`` out without listing it.  Not collective.
+
+    It does when an exclude glob ending in ``*`` matches ``path + "/"``: that glob
+    then matches every path under the directory (``logs/*`` and ``logs*`` leave
+    out ``logs``; ``logs/*.txt`` does not).
+    """
+    return any(p.endswith("*") and fnmatch.fnmatchcase(path + "/", p) for p in exclude)
+
+
 def symlink_target(root: Path, rel: str) -> str | None:
     """The target to give the copy of symlink ``rel``; None if it points outside ``root``.
 
@@ -118,9 +128,11 @@ def _stat_one(
     root: Path, rel: str, st: os.stat_result, include: Sequence[str], exclude: Sequence[str]
 ) -> Entry | Skipped | None:
     """The entry for ``rel`` (whose ``lstat`` is ``st``); Skipped for things never copied;
-    None if filtered out."""
+    None if filtered out (a directory only by :func:`excluded_dir`)."""
     mode = stat.S_IMODE(st.st_mode)
     if stat.S_ISDIR(st.st_mode):
+        if excluded_dir(rel, exclude):
+            return None
         return Entry(rel, DIR, mtime_ns=st.st_mtime_ns, mode=mode)
     if not selected(rel, include, exclude):
         return None
@@ -182,7 +194,11 @@ def _list_and_stat(root: Path, rel: str, include: Sequence[str], exclude: Sequen
         except FileNotFoundError:
             continue  # removed since it was listed
         except PermissionError as exc:
-            if item.is_dir(follow_symlinks=False) or selected(name, include, exclude):
+            if item.is_dir(follow_symlinks=False):
+                wanted = not excluded_dir(name, exclude)
+            else:
+                wanted = selected(name, include, exclude)
+            if wanted:
                 listed.unreadable.append(Skipped(name, f"cannot stat: {exc.strerror}"))
             continue
         if isinstance(found, Skipped):
@@ -312,8 +328,10 @@ def walk(
     Every rank returns the same :class:`Tree`; each lists up to ``listers`` of
     its directories at once.  Files the process cannot read, directories it
     cannot list and names it cannot stat go to ``unreadable``; symlinks
-    pointing outside ``root`` and special files go to ``skipped``.  bbio's
-    own ``.bbio`` directory and temporary files are never listed.
+    pointing outside ``root`` and special files go to ``skipped``.  Names
+    the filters leave out are in neither, and directories :func:`excluded_dir`
+    leaves out are not listed.  bbio's own ``.bbio`` directory and temporary
+    files are never listed.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     with agreed(comm, f"walking {root}"):

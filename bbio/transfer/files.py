@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
 import re
 import secrets
+import stat
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -102,6 +104,25 @@ class PieceResult:
     changed: bool
 
 
+def open_source(path: Path) -> int | None:
+    """Open ``path`` for reading as the regular file a walk found there: its descriptor,
+    or None when it is gone or no longer a regular file (replaced by a symlink, a FIFO or
+    a directory since the walk), which the caller counts as changed.  A symlink in the
+    last component is never followed and a FIFO never blocks the open.  Not collective."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # now a symlink
+            return None
+        raise _fail(exc, "open for reading", path) from None
+    if stat.S_ISREG(os.fstat(fd).st_mode):
+        return fd
+    os.close(fd)
+    return None
+
+
 def copy_piece(
     src: Path,
     dst_temp: Path,
@@ -116,10 +137,9 @@ def copy_piece(
     ``changed`` is True when the source no longer has the size and mtime the
     plan was made with, or when fewer bytes than expected could be read.
     """
-    try:
-        src_fd = os.open(src, os.O_RDONLY)
-    except OSError as exc:
-        raise _fail(exc, "open for reading", src) from None
+    src_fd = open_source(src)
+    if src_fd is None:  # gone, or no longer a regular file: looked at again by the caller
+        return PieceResult(0, 0, True)
     try:
         try:
             dst_fd = os.open(dst_temp, os.O_WRONLY)
@@ -332,11 +352,13 @@ def write_manifest(root: Path, manifest: Manifest, name: str = "manifest") -> Pa
 
 def withdraw_entries(root: Path, manifest: Manifest, paths: Iterable[str]) -> None:
     """Before the files ``paths`` of ``root`` change: commit ``manifest`` (the tree's
-    previous one) without their entries and no longer ``complete``.  A run that then
-    fails or is killed leaves a manifest that describes only files it did not touch."""
+    previous one) without their entries, no longer ``complete`` and ``unfinished``.  A run
+    that then fails or is killed leaves a manifest that describes only files it did not
+    touch, and says so (a run that finishes writes a new manifest)."""
     changing = set(paths)
     kept = [e for e in manifest.entries if e.path not in changing]
-    write_manifest(root, Manifest(manifest.kind, kept, {**manifest.attrs, "complete": False}))
+    attrs = {**manifest.attrs, "complete": False, "unfinished": True}
+    write_manifest(root, Manifest(manifest.kind, kept, attrs))
 
 
 def read_manifest(root: Path, name: str = "manifest") -> Manifest | None:

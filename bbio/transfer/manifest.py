@@ -44,8 +44,8 @@ class Entry:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Entry:
-        """Parse the JSON form."""
-        return cls(**data)
+        """Parse the JSON form; fields this version does not know (a newer one's) are ignored."""
+        return cls(**{name: value for name, value in data.items() if name in _FIELD_NAMES})
 
     def committed(self, crc32c: int | None, node: int | None) -> Entry:
         """This entry with its CRC32C and (shard mode) holding node filled in."""
@@ -71,6 +71,7 @@ class Entry:
 
 
 _OPTIONAL_FIELDS = tuple((f.name, f.default) for f in dataclasses.fields(Entry)[2:])
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Entry))
 
 
 @dataclasses.dataclass
@@ -103,7 +104,8 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: dict[str, Any], source: str) -> Manifest:
-        """Parse a manifest document; ``source`` names it in errors."""
+        """Parse a manifest document; ``source`` names it in errors.  Fields this version
+        does not know (a newer one's) are ignored."""
         found = data.get("format") if isinstance(data, dict) else None
         if found != FORMAT:
             raise IntegrityError(
@@ -112,10 +114,17 @@ class Manifest:
                 hint="delete it, or rerun the command that wrote it",
             )
         try:
+            kind = data["kind"]
             entries = [Entry.from_json(e) for e in data["entries"]]
-        except (KeyError, TypeError) as exc:
-            raise IntegrityError(f"damaged manifest: {exc}", path=source) from None
-        return cls(data["kind"], entries, dict(data.get("attrs", {})))
+            attrs = dict(data.get("attrs", {}))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            what = f"no field {exc}" if isinstance(exc, KeyError) else str(exc)
+            raise IntegrityError(
+                f"damaged manifest: {what}",
+                path=source,
+                hint="delete it, or rerun the command that wrote it",
+            ) from None
+        return cls(kind, entries, attrs)
 
 
 def sorted_entries(entries: Iterable[Entry]) -> list[Entry]:

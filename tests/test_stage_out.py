@@ -1,0 +1,247 @@
+"""Stage-out back to the PFS never silently replaces what changed there since bbio wrote or
+read it, and leaves the PFS's own directories and symlinks to directories as they are.
+MPI tests on 2 or 4 ranks in 2 virtual nodes; one runs the command without root's
+right to change other users' directories."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import bbio
+from bbio.transfer import files
+from tests.conftest import MPI_ENV
+from tests.test_stage import files_under, same_on_all_ranks, two_nodes
+
+PENDING = Path(".bbio") / "stage-out-pending.json"
+
+
+def node_leader(comm) -> int | None:
+    """This rank's node when it leads it (writes that node's burst buffer), else None."""
+    per_node = comm.Get_size() // 2
+    return comm.Get_rank() // per_node if comm.Get_rank() % per_node == 0 else None
+
+
+def write_on_every_node(comm, tmp: Path, name: str, path: str, data: bytes, mtime: int) -> None:
+    """The job writes ``data`` to ``path`` in every node's burst-buffer tree ``name``, alike
+    (the same bytes and mtime, so that stage-out writes it once)."""
+    node = node_leader(comm)
+    if node is not None:
+        target = tmp / "bb" / str(node) / name / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        os.utime(target, ns=(mtime, mtime))
+    comm.Barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_file_edited_on_the_pfs_since_the_stage_in_is_not_replaced(comm, shared_tmp):
+    """Stage in a project, edit one of its files on the PFS, stage the burst-buffer tree
+    back: the edit is refused as a conflict on every rank, before anything is copied,
+    unless overwrite."""
+    config = two_nodes(comm, shared_tmp)
+    pfs = shared_tmp / "pfs" / "proj" / "data"
+    if comm.Get_rank() == 0:
+        pfs.mkdir(parents=True)
+        (pfs / "config.yaml").write_bytes(b"lr: 0.1\n")
+        (pfs / "model.txt").write_bytes(b"model v1")
+    comm.Barrier()
+    bb = shared_tmp / "bb" / "{node}" / "data"
+    bbio.stage_in(comm, pfs, bb, config=config)
+    if comm.Get_rank() == 0:
+        (pfs / "config.yaml").write_bytes(b"lr: 0.01  # the user's newer setting\n")
+    write_on_every_node(comm, shared_tmp, "data", "model.txt", b"model v2", 2_000_000_000 * 10**9)
+    write_on_every_node(comm, shared_tmp, "data", "results.txt", b"loss 0.3", 10**18)
+    with pytest.raises(bbio.AlreadyExistsError) as refused:
+        bbio.stage_out(comm, bb, pfs, config=config)
+    message = str(refused.value)
+    assert f"stage-out would replace, in {pfs}, 1 path(s) changed since bbio last" in message
+    assert "read them there: config.yaml. Move aside" in message and "--overwrite" in message
+    assert same_on_all_ranks(comm, message)
+    assert files_under(pfs) == {
+        "config.yaml": b"lr: 0.01  # the user's newer setting\n",
+        "model.txt": b"model v1",
+    }
+    summary = bbio.stage_out(comm, bb, pfs, config=config, overwrite=True)
+    assert summary.files == 3
+    assert files_under(pfs) == {
+        "config.yaml": b"lr: 0.1\n",
+        "model.txt": b"model v2",
+        "results.txt": b"loss 0.3",
+    }
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_file_edited_on_the_pfs_since_the_last_stage_out_is_not_replaced(comm, shared_tmp):
+    """The destination's manifest records what stage-out wrote: a result edited on the PFS
+    since is refused, whether the job changed its own copy or not; what the job changed
+    and the PFS did not is copied."""
+    config = two_nodes(comm, shared_tmp)
+    bb, pfs = shared_tmp / "bb" / "{node}" / "out", shared_tmp / "pfs" / "out"
+    write_on_every_node(comm, shared_tmp, "out", "notes.txt", b"notes v1", 10**18)
+    write_on_every_node(comm, shared_tmp, "out", "log.txt", b"epoch 1", 10**18)
+    bbio.stage_out(comm, bb, pfs, config=config)
+    if comm.Get_rank() == 0:
+        (pfs / "notes.txt").write_bytes(b"notes v1, annotated on the PFS")
+    write_on_every_node(comm, shared_tmp, "out", "log.txt", b"epoch 1\nepoch 2", 2 * 10**18)
+    for notes in (b"notes v1", b"notes v2 of the job"):
+        write_on_every_node(comm, shared_tmp, "out", "notes.txt", notes, 3 * 10**18)
+        with pytest.raises(bbio.AlreadyExistsError, match="1 path") as refused:
+            bbio.stage_out(comm, bb, pfs, config=config)
+        assert "there: notes.txt. Move aside" in str(refused.value)
+    assert (pfs / "log.txt").read_bytes() == b"epoch 1"
+    bbio.stage_out(comm, bb, pfs, config=config, exclude=["notes.txt"])
+    assert (pfs / "log.txt").read_bytes() == b"epoch 1\nepoch 2"
+    assert (pfs / "notes.txt").read_bytes() == b"notes v1, annotated on the PFS"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_what_an_interrupted_stage_out_wrote_is_bbios_for_the_rerun(comm, shared_tmp):
+    """A stage-out that fails after committing model.txt leaves no manifest: its pending
+    record tells the rerun that the PFS's model.txt is bbio's (not the user's edit of the
+    staged-in version), so the job's newer version replaces it."""
+    config = two_nodes(comm, shared_tmp, stage_round_bytes=1)  # one file per round
+    pfs = shared_tmp / "pfs" / "run"
+    if comm.Get_rank() == 0:
+        pfs.mkdir(parents=True)
+        (pfs / "model.txt").write_bytes(b"model v1")
+    comm.Barrier()
+    bb = shared_tmp / "bb" / "{node}" / "run"
+    bbio.stage_in(comm, pfs, bb, config=config)
+    write_on_every_node(comm, shared_tmp, "run", "model.txt", b"model v2", 10**18)
+    write_on_every_node(comm, shared_tmp, "run", "z.txt", b"last in path order", 10**18)
+    if comm.Get_rank() == 0:
+        (pfs / "z.txt").mkdir()  # in the way: the second round fails
+    comm.Barrier()
+    with pytest.raises(bbio.IsDirectoryError, match=r"z\.txt"):
+        bbio.stage_out(comm, bb, pfs, config=config)
+    assert (pfs / "model.txt").read_bytes() == b"model v2"
+    assert (pfs / PENDING).exists()
+    if comm.Get_rank() == 0:
+        (pfs / "z.txt").rmdir()
+    write_on_every_node(comm, shared_tmp, "run", "model.txt", b"model v3", 2 * 10**18)
+    bbio.stage_out(comm, bb, pfs, config=config)
+    assert files_under(pfs) == {"model.txt": b"model v3", "z.txt": b"last in path order"}
+    assert not (pfs / PENDING).exists()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_existing_pfs_directories_and_symlinks_to_directories_are_left_alone(comm, shared_tmp):
+    """A shared setgid directory keeps its mode and mtime, a symlink to a directory on
+    another file system (more quota) is written through, not replaced; a directory the
+    run makes gets the burst buffer's mode and mtime."""
+    config = two_nodes(comm, shared_tmp)
+    bb, pfs = shared_tmp / "bb" / "{node}" / "outputs", shared_tmp / "pfs" / "outputs"
+    big = shared_tmp / "lustre-bigquota" / "ckpt"
+    write_on_every_node(comm, shared_tmp, "outputs", "shared/metrics.csv", b"a,b\n", 10**18)
+    write_on_every_node(comm, shared_tmp, "outputs", "ckpt/step1/w.bin", b"\1" * 100, 10**18)
+    write_on_every_node(comm, shared_tmp, "outputs", "new/log.txt", b"log", 10**18)
+    node = node_leader(comm)
+    if node is not None:
+        for name in ("shared", "new"):
+            directory = shared_tmp / "bb" / str(node) / "outputs" / name
+            directory.chmod(0o750)
+            os.utime(directory, ns=(10**18, 10**18))
+    if comm.Get_rank() == 0:
+        (pfs / "shared").mkdir(parents=True)
+        (pfs / "shared").chmod(0o2775)
+        os.utime(pfs / "shared", ns=(5 * 10**17, 5 * 10**17))
+        big.mkdir(parents=True)
+        (pfs / "ckpt").symlink_to(big)
+    comm.Barrier()
+    summary = bbio.stage_out(comm, bb, pfs, config=config)
+    assert summary.files == 3
+    shared = (pfs / "shared").stat()
+    assert stat.S_IMODE(shared.st_mode) == 0o2775 and shared.st_mtime_ns != 10**18
+    assert (pfs / "ckpt").is_symlink() and os.readlink(pfs / "ckpt") == str(big)
+    assert (big / "step1" / "w.bin").read_bytes() == b"\1" * 100
+    new = (pfs / "new").stat()
+    assert stat.S_IMODE(new.st_mode) == 0o750 and new.st_mtime_ns == 10**18
+    assert bbio.stage_out(comm, bb, pfs, config=config).files == 0  # up to date, through it
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_symlink_within_the_pfs_tree_where_the_job_has_a_directory(comm, shared_tmp):
+    """The user's symlink to another directory of the destination: writing through it
+    would mix two directories, replacing it would drop the user's link: refused, unless
+    overwrite (then replaced by a directory)."""
+    config = two_nodes(comm, shared_tmp)
+    bb, pfs = shared_tmp / "bb" / "{node}" / "res", shared_tmp / "pfs" / "res"
+    write_on_every_node(comm, shared_tmp, "res", "latest/out.txt", b"run 4", 10**18)
+    if comm.Get_rank() == 0:
+        (pfs / "run3").mkdir(parents=True)
+        (pfs / "run3" / "out.txt").write_bytes(b"run 3")
+        (pfs / "latest").symlink_to("run3")
+    comm.Barrier()
+    with pytest.raises(
+        bbio.AlreadyExistsError, match=r"1 symlink\(s\) of yours .*: latest -> run3"
+    ):
+        bbio.stage_out(comm, bb, pfs, config=config)
+    assert (pfs / "run3" / "out.txt").read_bytes() == b"run 3"
+    bbio.stage_out(comm, bb, pfs, config=config, overwrite=True)
+    assert not (pfs / "latest").is_symlink()
+    assert files_under(pfs) == {"run3/out.txt": b"run 3", "latest/out.txt": b"run 4"}
+
+
+# ------------------------------------------------- as a user who may not chmod others' files
+
+
+@pytest.fixture
+def open_tmp() -> Iterator[Path]:
+    """A temporary directory under /tmp that the unprivileged command may use."""
+    path = Path(tempfile.mkdtemp(prefix="bbio-test-", dir="/tmp"))
+    path.chmod(0o777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+# Root without the capabilities to bypass permission checks and to chmod/utime others' files.
+DROP = "-dac_override,-dac_read_search,-fowner"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a colleague's directory needs root")
+def test_a_colleagues_directory_in_the_destination_blocks_nothing(open_tmp):
+    """``outputs/shared`` belongs to a colleague (mode 2777): chmod and utime of it fail
+    with EPERM, so stage-out must not try them, and writes its manifest.  A file edited
+    on the PFS since is then refused, and replaced with ``--overwrite``."""
+    for node in ("0", "1"):
+        (open_tmp / "bb" / node / "outputs" / "shared").mkdir(parents=True)
+        (open_tmp / "bb" / node / "outputs" / "shared" / "r.txt").write_bytes(b"node " + b"x")
+        os.utime(open_tmp / "bb" / node / "outputs" / "shared" / "r.txt", ns=(10**18, 10**18))
+    pfs = open_tmp / "pfs" / "outputs"
+    (pfs / "shared").mkdir(parents=True)
+    os.chown(pfs / "shared", 65534, 65534)
+    (pfs / "shared").chmod(0o2777)
+    env = {**os.environ, **MPI_ENV, "BBIO_RANKS_PER_NODE": "1", "BBIO_PROGRESS": "never"}
+    command = ["setpriv", f"--bounding-set={DROP}", f"--inh-caps={DROP}", "--"]
+    command += ["mpirun", "-n", "2", sys.executable, "-m", "bbio", "stage-out"]
+    command += [str(open_tmp / "bb" / "{node}" / "outputs"), str(pfs)]
+
+    def stage_out(*options: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*command, *options], capture_output=True, text=True, env=env, timeout=120, cwd=open_tmp
+        )
+
+    done = stage_out()
+    assert done.returncode == 0, done.stdout + done.stderr
+    shared = (pfs / "shared").stat()
+    assert (shared.st_uid, stat.S_IMODE(shared.st_mode)) == (65534, 0o2777)
+    assert files.read_manifest(pfs) is not None
+    (pfs / "shared" / "r.txt").write_bytes(b"edited on the PFS")
+    refused = stage_out()
+    assert refused.returncode == 1
+    assert "1 path(s) changed since bbio last wrote or read" in refused.stderr
+    assert "shared/r.txt" in refused.stderr and "Traceback" not in refused.stderr
+    done = stage_out("--overwrite")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (pfs / "shared" / "r.txt").read_bytes() == b"node x"

@@ -1,0 +1,159 @@
+"""The walk's exclusion of whole directories, and what ``bbio pack`` refuses or leaves out:
+files changed since the walk (torn, replaced by a symlink or a FIFO) and paths that are
+not regular files.  MPI tests on 2 or 4 ranks in 2 virtual nodes, with real files."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from pathlib import Path
+
+import pytest
+
+import bbio
+from bbio.stage import pack as pack_module
+from bbio.stage.pack import INDEX_NAME
+from bbio.stage.walk import excluded_dir, walk
+from tests.test_stage import same_on_all_ranks, two_nodes
+
+OLD_MTIME_NS = 1_600_000_000_000_000_000  # older than any write the test makes
+
+
+# ------------------------------------------------------------ the rule (serial)
+
+
+@pytest.mark.parametrize(
+    ("directory", "exclude", "left_out"),
+    [
+        ("private", ["private/*"], True),
+        ("private", ["priv*"], True),
+        ("a/cache", ["*/cache/*"], True),
+        ("private", ["*"], True),
+        ("private/secret", ["private/*"], True),
+        ("private", ["private"], False),  # matches the name, not what is under it
+        ("private", ["private/*.bin"], False),  # not everything under it
+        ("private", ["private/?*"], False),  # everything, but not "private/": not left out
+        ("a/private", ["private/*"], False),
+        ("private", [], False),
+    ],
+)
+def test_excluded_dir_leaves_out_exactly_directories_a_glob_covers(directory, exclude, left_out):
+    assert excluded_dir(directory, exclude) is left_out
+    if left_out:  # then the glob matches whatever lies under the directory
+        under = ["x", ".hidden", "deep/er/f.bin", "a b/é"]
+        assert all(
+            any(fnmatch.fnmatchcase(f"{directory}/{rel}", p) for p in exclude) for rel in under
+        )
+
+
+# --------------------------------------------------------------- MPI tests
+
+
+@pytest.fixture
+def src(comm, shared_tmp) -> Path:
+    """Six files of 1000 to 6000 bytes in two directories, with an mtime in the past."""
+    root = shared_tmp / "pfs" / "src"
+    if comm.Get_rank() == 0:
+        for i in range(6):
+            path = root / f"d{i % 2}" / f"f{i}.bin"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(bytes([i]) * (1000 * (i + 1)))
+            os.utime(path, ns=(OLD_MTIME_NS, OLD_MTIME_NS))
+    comm.Barrier()
+    return root
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_walk_leaves_out_excluded_directories_with_what_they_hold(comm, src):
+    everything = walk(comm, src)
+    pruned = walk(comm, src, exclude=["d1/*"])
+    assert [e.path for e in pruned.entries] == [
+        e.path for e in everything.entries if not e.path.startswith("d1")
+    ]
+    assert same_on_all_ranks(comm, [e.path for e in pruned.entries])
+
+
+def _replace(path: Path, how: str) -> None:
+    """Change ``path`` (a file of the source) the way ``how`` says."""
+    if how == "rewritten":  # in place, same size, other bytes: only its mtime tells
+        path.write_bytes(b"\xee" * path.stat().st_size)
+    elif how == "grown":
+        with open(path, "ab") as f:
+            f.write(b"+" * 100)
+    elif how == "symlink":  # to a file of its size, outside the source
+        elsewhere = path.parents[2] / "elsewhere.bin"
+        elsewhere.write_bytes(b"\xee" * path.stat().st_size)
+        path.unlink()
+        path.symlink_to(elsewhere)
+    else:
+        path.unlink()
+        os.mkfifo(path)  # opened without O_NONBLOCK, it would block the pack forever
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["rewritten", "grown", "symlink", "fifo"])
+def test_pack_refuses_a_file_changed_since_the_walk(comm, shared_tmp, src, monkeypatch, how):
+    """d1/f3.bin changes between the (real) walk and its read: every rank raises the same
+    IntegrityError naming it, and OUT holds no index and no temporary shard."""
+    real_walk = pack_module.walk
+
+    def walk_then_change(comm_, root, *args, **kwargs):
+        tree = real_walk(comm_, root, *args, **kwargs)
+        comm_.Barrier()
+        if comm_.Get_rank() == 0:
+            _replace(Path(root) / "d1" / "f3.bin", how)
+        comm_.Barrier()
+        return tree
+
+    monkeypatch.setattr(pack_module, "walk", walk_then_change)
+    out = shared_tmp / "packed"
+    with pytest.raises(bbio.IntegrityError) as info:
+        bbio.pack(comm, src, out, shard_size=4000, config=two_nodes(comm, shared_tmp))
+    message = str(info.value)
+    assert same_on_all_ranks(comm, message), message
+    assert "d1/f3.bin" in message and "run bbio pack again" in message, message
+    expected = {
+        "rewritten": "modified since the source was walked",
+        "grown": "4000 bytes when the source was walked, 4100 now",
+        "symlink": "is a symlink now",
+        "fifo": "no longer a regular file",
+    }[how]
+    assert expected in message, message
+    assert not (out / INDEX_NAME).exists()
+    assert [p.name for p in out.iterdir() if "bbio-part" in p.name] == []
+
+
+@pytest.mark.mpi(min_size=2)
+def test_pack_names_what_it_does_not_pack(comm, shared_tmp, src):
+    """Symlinks (inside or outside the source) and special files are not packed: the
+    summary counts them and warns, naming the first five, on every rank alike."""
+    links = [f"d0/link{i}" for i in range(6)]
+    if comm.Get_rank() == 0:
+        for link in links:
+            (src / link).symlink_to("f0.bin")
+        (src / "outside").symlink_to("/etc/hostname")
+        os.mkfifo(src / "d1" / "a-fifo")
+    comm.Barrier()
+    summary = bbio.pack(comm, src, shared_tmp / "packed", config=two_nodes(comm, shared_tmp))
+    assert summary.samples == 6
+    assert summary.not_packed == sorted([*links, "outside", "d1/a-fifo"])
+    assert len(summary.warnings) == 1, summary.warnings
+    warning = summary.warnings[0]
+    assert warning.startswith("8 path(s) of the source were not packed"), warning
+    assert "d0/link0, d0/link1, d0/link2, d0/link3, d0/link4 (and 3 more)" in warning, warning
+    assert same_on_all_ranks(comm, summary.warnings)
+    report = summary.report()
+    assert f"warning: {warning}" in report
+    assert any(
+        line.startswith("not packed (not regular files)") and line.split()[-1] == "8"
+        for line in report.splitlines()
+    ), report
+    regular_only = bbio.pack(
+        comm,
+        src,
+        shared_tmp / "filtered",
+        exclude=["d0/link*", "outside", "*fifo"],
+        config=two_nodes(comm, shared_tmp),
+    )
+    assert (regular_only.not_packed, regular_only.warnings) == ([], [])
