@@ -478,6 +478,11 @@ def test_a_burst_buffer_copy_of_a_save_made_again_since_is_not_restored(comm, sh
         with bbio.Checkpointer(comm, "again", config=jobs[job]) as ckpt:
             ckpt.save(10, {"x": np.full(4, value)}, attrs={"v": value}).wait(timeout=60)
     with bbio.Checkpointer(comm, "again", config=jobs["A"]) as ckpt:
+        (listed,) = ckpt.list()
+        assert (listed.step, listed.pfs) == (10, "committed")
+        (row,) = admin.list_checkpoints(shared_tmp / "bb-A" / "0", shared_tmp / "pfs", 0)
+        assert (row.bb, row.pfs) == ("complete, not the committed save", "committed"), row
+        assert listed.bb == "nodes [0, 1], not the committed save (not restored from)", listed
         step, arrays, attrs = ckpt.restore()
         assert (step, attrs, ckpt.last_restore_tier) == (10, {"v": 2.0}, "pfs")
         assert np.array_equal(arrays["x"], np.full(4, 2.0)), rank

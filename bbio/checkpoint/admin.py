@@ -23,7 +23,7 @@ class Row:
 
     name: str
     step: int
-    bb: str  # "complete", "-" (this node's copy)
+    bb: str  # this node's copy: "complete", "complete, not the committed save" or "-"
     pfs: str  # as in :func:`bbio.checkpoint.checkpointer.describe_pfs`, or "-"
     queue: str  # this node's drain journal: "queued", "set aside" (damaged) or "-"
 
@@ -76,20 +76,16 @@ def list_checkpoints(
     for n in _names_to_look_at(bb_root, pfs_root, name):
         bb_dir, pfs_dir = bb_root / layout.CKPT_DIR / n, pfs_root / layout.CKPT_DIR / n
         local = reader.bb_copies(bb_dir, node)
-        pfs = describe_pfs(pfs_dir)
+        pfs, committed = describe_pfs(pfs_dir), drain.committed_saves(pfs_dir)
         journal = drain.journal_dir(bb_dir)
         queue = {step: "set aside" for step in drain.set_aside(journal)}
         queue.update((t.step, "queued") for t in drain.pending(journal))
         for step in sorted(set(local) | set(pfs) | set(queue)):
-            rows.append(
-                Row(
-                    n,
-                    step,
-                    "complete" if step in local else "-",
-                    pfs.get(step, "-"),
-                    queue.get(step, "-"),
-                )
-            )
+            bb = "-"
+            if step in local:  # an older save of a step saved again since is not restored
+                stale = step in committed and local[step].get("time") != committed[step]
+                bb = "complete, not the committed save" if stale else "complete"
+            rows.append(Row(n, step, bb, pfs.get(step, "-"), queue.get(step, "-")))
     return rows
 
 

@@ -153,7 +153,7 @@ class CheckpointInfo:
     """One step of a checkpointer, as :meth:`Checkpointer.list` sees it."""
 
     step: int
-    bb: str  # "all nodes", "nodes [0, 2]" or "-"
+    bb: str  # "all nodes", "nodes [0, 2]", "nodes [0, 1], of different saves (...)" or "-"
     pfs: str  # "committed", "draining", "damaged manifest", "damaged node N" or "-"
 
 
@@ -773,28 +773,32 @@ class Checkpointer:
     # -------------------------------------------------------- list, close
 
     def list(self) -> list[CheckpointInfo]:
-        """Collective: every step in either tier, with its state."""
+        """Collective over the checkpointer's communicator: every step in either tier, with
+        its state.  A step's burst-buffer copies are "all nodes" only when every node holds
+        one of the same save, the committed one's if it is committed (as :meth:`restore`
+        counts them); else the nodes holding a copy are named, and why a copy on every
+        node does not count."""
         self._check_open()
-        pfs = {}
+        pfs: dict[int, str] = {}
+        saves: dict[int, Any] = {}
         with agreed(self.comm, f"checkpoint {self.name}: listing"):
             if self.rank == 0:
-                pfs = describe_pfs(self.pfs_dir)
-            local = (
-                sorted(reader.bb_copies(self.bb_dir, self.node)) if self.topo.is_leader else None
-            )
-        pfs = self.comm.bcast(pfs, root=0)
-        per_node = [
-            (n, c) for n, c in enumerate(c for c in self.comm.allgather(local) if c is not None)
-        ]
-        steps = sorted(set(pfs) | {s for _, c in per_node for s in c})
+                pfs, saves = describe_pfs(self.pfs_dir), drain.committed_saves(self.pfs_dir)
+            local = reader.bb_copies(self.bb_dir, self.node) if self.topo.is_leader else None
+        pfs, saves = self.comm.bcast((pfs, saves), root=0)
+        per_node = [c for c in self.comm.allgather(local) if c is not None]
+        alike = reader.one_save_on_every_node(per_node, saves)
         infos = []
-        for s in steps:
-            holders = [n for n, c in per_node if s in c]
-            bb = (
-                "all nodes"
-                if len(holders) == self.nodes
-                else (f"nodes {holders}" if holders else "-")
-            )
+        for s in sorted(set(pfs) | {s for c in per_node for s in c}):
+            holders = [n for n, c in enumerate(per_node) if s in c]
+            if s in alike:
+                bb = "all nodes"
+            elif len(holders) == self.nodes:
+                times = {c[s].get("time") for c in per_node}
+                which = "of different saves" if len(times) > 1 else "not the committed save"
+                bb = f"nodes {holders}, {which} (not restored from)"
+            else:
+                bb = f"nodes {holders}" if holders else "-"
             infos.append(CheckpointInfo(s, bb, pfs.get(s, "-")))
         return infos
 
