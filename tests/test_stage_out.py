@@ -18,6 +18,7 @@ import pytest
 
 import bbio
 from bbio.transfer import files
+from bbio.transfer.manifest import Manifest
 from tests.conftest import MPI_ENV
 from tests.test_stage import files_under, same_on_all_ranks, two_nodes
 
@@ -189,6 +190,155 @@ def test_a_symlink_within_the_pfs_tree_where_the_job_has_a_directory(comm, share
     bbio.stage_out(comm, bb, pfs, config=config, overwrite=True)
     assert not (pfs / "latest").is_symlink()
     assert files_under(pfs) == {"run3/out.txt": b"run 3", "latest/out.txt": b"run 4"}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_rerun_of_an_interrupted_stage_out_knows_the_versions_it_was_replacing(
+    comm, shared_tmp
+):
+    """Stage-out B withdraws a.txt and y.txt v1 from the manifest, then fails before it
+    copies y.txt: the PFS's y.txt v1 is still bbio's (its pending record keeps the
+    versions it replaces), so the rerun copies v2 over it."""
+    config = two_nodes(comm, shared_tmp, stage_round_bytes=1)  # one file per round
+    bb, pfs = shared_tmp / "bb" / "{node}" / "out", shared_tmp / "pfs" / "out"
+    for name in ("a.txt", "y.txt"):
+        write_on_every_node(comm, shared_tmp, "out", name, name.encode() + b" v1", 10**18)
+    bbio.stage_out(comm, bb, pfs, config=config)
+    for name in ("a.txt", "b.txt", "y.txt"):
+        write_on_every_node(comm, shared_tmp, "out", name, name.encode() + b" v2", 2 * 10**18)
+    if comm.Get_rank() == 0:
+        (pfs / "b.txt").mkdir()  # in the way: the second round fails
+    comm.Barrier()
+    with pytest.raises(bbio.IsDirectoryError, match=r"b\.txt"):
+        bbio.stage_out(comm, bb, pfs, config=config)
+    assert (pfs / "y.txt").read_bytes() == b"y.txt v1"
+    if comm.Get_rank() == 0:
+        (pfs / "b.txt").rmdir()
+    comm.Barrier()
+    assert bbio.stage_out(comm, bb, pfs, config=config).files == 2
+    assert files_under(pfs) == {"a.txt": b"a.txt v2", "b.txt": b"b.txt v2", "y.txt": b"y.txt v2"}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_pfs_file_where_the_job_has_a_directory_is_refused_before_copying(
+    comm, shared_tmp, overwrite
+):
+    """A file of the PFS where the job made a directory fails the stage-out on every rank
+    before anything changes (even with overwrite): no pending record, the manifest still
+    whole, nothing copied."""
+    config = two_nodes(comm, shared_tmp)
+    bb, pfs = shared_tmp / "bb" / "{node}" / "out", shared_tmp / "pfs" / "out"
+    write_on_every_node(comm, shared_tmp, "out", "a.txt", b"a v1", 10**18)
+    bbio.stage_out(comm, bb, pfs, config=config)
+    write_on_every_node(comm, shared_tmp, "out", "a.txt", b"a v2", 2 * 10**18)
+    write_on_every_node(comm, shared_tmp, "out", "x/f.txt", b"f", 10**18)
+    if comm.Get_rank() == 0:
+        (pfs / "x").write_bytes(b"the user's file")
+    comm.Barrier()
+    with pytest.raises(bbio.AlreadyExistsError) as refused:
+        bbio.stage_out(comm, bb, pfs, config=config, overwrite=overwrite)
+    message = str(refused.value)
+    assert f"cannot make, in {pfs}, 1 directory(ies) of the source where a file is: x" in message
+    assert same_on_all_ranks(comm, message)
+    assert not (pfs / PENDING).exists()
+    assert "unfinished" not in files.read_manifest(pfs).attrs
+    assert files_under(pfs) == {"a.txt": b"a v1", "x": b"the user's file"}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_users_symlink_where_the_job_has_a_file_is_replaced_only_with_overwrite(comm, shared_tmp):
+    """``data.bin`` on the PFS is the user's symlink to a file elsewhere: the job's file of
+    that name does not silently replace it; overwrite does, leaving its target alone."""
+    config = two_nodes(comm, shared_tmp)
+    bb, pfs = shared_tmp / "bb" / "{node}" / "out", shared_tmp / "pfs" / "out"
+    elsewhere = shared_tmp / "elsewhere.bin"
+    write_on_every_node(comm, shared_tmp, "out", "data.bin", b"the job's", 10**18)
+    write_on_every_node(comm, shared_tmp, "out", "a.txt", b"a", 10**18)
+    if comm.Get_rank() == 0:
+        pfs.mkdir(parents=True)
+        elsewhere.write_bytes(b"the user's big file")
+        (pfs / "data.bin").symlink_to(elsewhere)
+    comm.Barrier()
+    with pytest.raises(
+        bbio.AlreadyExistsError, match=rf"1 symlink\(s\) of yours .*: data\.bin -> {elsewhere}"
+    ):
+        bbio.stage_out(comm, bb, pfs, config=config)
+    assert (pfs / "data.bin").is_symlink() and not (pfs / "a.txt").exists()
+    assert bbio.stage_out(comm, bb, pfs, config=config, overwrite=True).files == 2
+    assert files_under(pfs) == {"a.txt": b"a", "data.bin": b"the job's"}
+    assert elsewhere.read_bytes() == b"the user's big file"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_damaged_stage_in_manifest_in_the_burst_buffer_is_no_record(comm, shared_tmp):
+    """The burst-buffer tree's own stage-in manifest is only an extra record: one that is
+    not valid JSON is ignored (with a warning), and the stage-out goes on."""
+    config = two_nodes(comm, shared_tmp)
+    pfs = shared_tmp / "pfs" / "data"
+    if comm.Get_rank() == 0:
+        pfs.mkdir(parents=True)
+        (pfs / "model.txt").write_bytes(b"model v1")
+    comm.Barrier()
+    bb = shared_tmp / "bb" / "{node}" / "data"
+    bbio.stage_in(comm, pfs, bb, config=config)
+    write_on_every_node(comm, shared_tmp, "data", "model.txt", b"model v2", 10**18)
+    node = node_leader(comm)
+    if node is not None:
+        files.manifest_path(shared_tmp / "bb" / str(node) / "data").write_text("{damaged")
+    comm.Barrier()
+    assert bbio.stage_out(comm, bb, pfs, config=config).files == 1
+    assert files_under(pfs) == {"model.txt": b"model v2"}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_pfs_file_of_mtime_0_is_bbios_damaged_copy_only_if_stage_out_wrote_it(comm, shared_tmp):
+    """Verify marks a damaged copy with mtime 0 and keeps its size: a PFS file of mtime 0
+    (a reproducible archive's) is the user's when bbio only read that path (stage-in), or
+    when stage-out wrote another size there."""
+    config = two_nodes(comm, shared_tmp)
+    pfs = shared_tmp / "pfs" / "proj"
+    if comm.Get_rank() == 0:
+        pfs.mkdir(parents=True)
+        (pfs / "tool.txt").write_bytes(b"tool 1.0")
+        os.utime(pfs / "tool.txt", ns=(10**18, 10**18))
+    comm.Barrier()
+    bb = shared_tmp / "bb" / "{node}" / "proj"
+    bbio.stage_in(comm, pfs, bb, config=config)
+    write_on_every_node(comm, shared_tmp, "proj", "r.txt", b"abc", 10**18)
+    bbio.stage_out(comm, bb, pfs, config=config, exclude=["tool.txt"])
+    if comm.Get_rank() == 0:  # the user unpacks a reproducible archive over both
+        for name, data in (("tool.txt", b"tool 2.0"), ("r.txt", b"hello")):
+            (pfs / name).write_bytes(data)
+            os.utime(pfs / name, ns=(0, 0))
+    write_on_every_node(comm, shared_tmp, "proj", "tool.txt", b"tool 1.1", 2 * 10**18)
+    write_on_every_node(comm, shared_tmp, "proj", "r.txt", b"xyz", 2 * 10**18)
+    with pytest.raises(bbio.AlreadyExistsError, match=r"2 path\(s\) changed .*: r\.txt; tool"):
+        bbio.stage_out(comm, bb, pfs, config=config)
+    assert files_under(pfs) == {"tool.txt": b"tool 2.0", "r.txt": b"hello"}
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_pending_record_left_after_the_manifest_was_written_is_spent(comm, shared_tmp):
+    """A stage-out stopped between writing its manifest and removing its pending record
+    leaves a record that the manifest names: the next run does not take the directories
+    it lists for ones it made, and leaves the user's mode and mtime on them."""
+    config = two_nodes(comm, shared_tmp)
+    bb, pfs = shared_tmp / "bb" / "{node}" / "out", shared_tmp / "pfs" / "out"
+    write_on_every_node(comm, shared_tmp, "out", "new/log.txt", b"log", 10**18)
+    write_on_every_node(comm, shared_tmp, "out", "a.txt", b"a v1", 10**18)
+    bbio.stage_out(comm, bb, pfs, config=config)
+    if comm.Get_rank() == 0:  # what the run left had it stopped before removing its record
+        manifest = files.read_manifest(pfs)
+        token = {"token": manifest.attrs.get("pending")}
+        files.write_manifest(pfs, Manifest("stage-out", manifest.entries, token), PENDING.stem)
+        (pfs / "new").chmod(0o2775)  # the user's, since
+        os.utime(pfs / "new", ns=(5 * 10**17, 5 * 10**17))
+    write_on_every_node(comm, shared_tmp, "out", "a.txt", b"a v2", 2 * 10**18)
+    assert bbio.stage_out(comm, bb, pfs, config=config).files == 1
+    new = (pfs / "new").stat()
+    assert (stat.S_IMODE(new.st_mode), new.st_mtime_ns) == (0o2775, 5 * 10**17)
+    assert not (pfs / PENDING).exists()
 
 
 # ------------------------------------------------- as a user who may not chmod others' files

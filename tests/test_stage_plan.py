@@ -248,22 +248,58 @@ def test_stage_out_refuses_what_changed_since_bbio_wrote_or_read_it():
     staged_in, written = f("config.yaml", 10, mtime=5), f("results.txt", 7, mtime=6)
     source = [f("config.yaml", 10, mtime=5), f("results.txt", 9, mtime=8), f("new.txt", 1)]
     source += [f("theirs.txt", 4, mtime=9), f("marked.txt", 3, mtime=4)]
+    source += [f("read.txt", 3, mtime=4), f("resized.txt", 3, mtime=4)]
     seen = {
         "config.yaml": DestState(FILE, 12, 7),  # the user's edit since the stage-in
         "results.txt": state(written),  # what the previous stage-out wrote: replaced
         "theirs.txt": DestState(FILE, 4, 3),  # no record: replaced, as cp does
         "marked.txt": DestState(FILE, 3, 0),  # verify marked bbio's damaged copy
+        "read.txt": DestState(FILE, 3, 0),  # mtime 0, but bbio only read it: the user's
+        "resized.txt": DestState(FILE, 5, 0),  # mtime 0, but not the size stage-out wrote
     }
-    records = {
-        "config.yaml": [staged_in],
+    by_stage_out = {
         "results.txt": [f("results.txt", 5, mtime=2), written],
         "marked.txt": [f("marked.txt", 3, mtime=4)],
+        "resized.txt": [f("resized.txt", 3, mtime=4)],
     }
+    by_stage_in = {"config.yaml": [staged_in], "read.txt": [f("read.txt", 3, mtime=4)]}
     checked = plan.to_check(source, seen)
-    assert checked == ["config.yaml", "results.txt", "theirs.txt", "marked.txt"]
-    planned = plan.plan_destination(source, seen, records, (), overwrite=False)
-    assert (planned.changed, planned.foreign_links) == (["config.yaml"], [])
-    assert plan.plan_destination(source, seen, records, (), overwrite=True).changed == []
+    assert checked == [e.path for e in source if e.path != "new.txt"]
+    planned = plan.plan_destination(source, seen, by_stage_out, by_stage_in, (), False)
+    assert planned.changed == ["config.yaml", "read.txt", "resized.txt"]
+    assert planned.foreign_links == planned.in_the_way == []
+    assert plan.plan_destination(source, seen, by_stage_out, by_stage_in, (), True).changed == []
+
+
+def test_stage_out_replaces_a_users_symlink_or_file_in_the_way_only_if_told():
+    source = [
+        f("data.bin", 3),
+        Entry("ln", SYMLINK, target="a"),
+        Entry("ours", SYMLINK, target="b"),
+    ]
+    source += [Entry("x", DIR), f("x/f", 1)]
+    seen = {
+        "data.bin": DestState(SYMLINK, 0, 1, "/home/me/big.bin"),  # the user's, no record
+        "ln": DestState(SYMLINK, 0, 1, "elsewhere"),  # the user's, no record
+        "ours": DestState(SYMLINK, 0, 1, "old"),  # the copy of an earlier source symlink
+        "x": DestState(FILE, 5, 1),  # where the source has a directory
+    }
+    by_stage_out = {"ours": [Entry("ours", SYMLINK, target="old")]}
+    refused = plan.plan_destination(source, seen, by_stage_out, {}, (), overwrite=False)
+    assert refused.foreign_links == ["data.bin -> /home/me/big.bin", "ln -> elsewhere"]
+    assert refused.changed == [] and refused.in_the_way == ["x"]
+    told = plan.plan_destination(source, seen, by_stage_out, {}, (), overwrite=True)
+    assert told.foreign_links == told.changed == [] and told.in_the_way == ["x"]
+
+
+def test_a_pending_record_the_manifest_names_is_spent():
+    pending = Manifest("stage-out", [f("a", 1)], {plan.PENDING_TOKEN: "t1"})
+    assert plan.live_pending(None, pending) is pending
+    assert plan.live_pending(Manifest("stage-out", [], {"pending": "t0"}), pending) is pending
+    assert plan.live_pending(Manifest("stage-out", [], {"pending": "t1"}), pending) is None
+    assert plan.live_pending(Manifest("stage-out", [], {"pending": None}), None) is None
+    untokened = Manifest("stage-out", [f("a", 1)])
+    assert plan.live_pending(Manifest("stage-out", []), untokened) is untokened
 
 
 def test_stage_out_follows_the_users_symlinks_to_directories_outside():
@@ -280,16 +316,16 @@ def test_stage_out_follows_the_users_symlinks_to_directories_outside():
     }
     records = {"stale": [Entry("stale", SYMLINK, target="kept")]}
     for overwrite in (False, True):
-        planned = plan.plan_destination(source, seen, records, {"ckpt", "alias"}, overwrite)
+        planned = plan.plan_destination(source, seen, records, {}, {"ckpt", "alias"}, overwrite)
         assert planned.followed == {"ckpt", "alias"}
         assert planned.replaced == {"stale"}
-        assert planned.changed == planned.foreign_links == []
+        assert planned.changed == planned.foreign_links == planned.in_the_way == []
         assert [e.path for e in plan.to_copy(source, planned.current)] == ["stale/x"]
         dirs = [e for e in source if e.kind == DIR]
         assert [d.path for d in plan.created_dirs(dirs, planned, ())] == ["stale", "fresh"]
-    inside = plan.plan_destination(source, seen, records, {"ckpt"}, overwrite=False)
+    inside = plan.plan_destination(source, seen, records, {}, {"ckpt"}, overwrite=False)
     assert inside.foreign_links == ["alias -> kept"] and inside.changed == []
-    replaced = plan.plan_destination(source, seen, records, {"ckpt"}, overwrite=True)
+    replaced = plan.plan_destination(source, seen, records, {}, {"ckpt"}, overwrite=True)
     assert replaced.replaced == {"stale", "alias"} and replaced.foreign_links == []
 
 
@@ -300,7 +336,7 @@ def test_a_directory_an_interrupted_stage_out_made_is_finished_by_the_rerun():
         "theirs": DestState(DIR, 0, 1),
         "now-a-link": DestState(SYMLINK, 0, 1, "/elsewhere"),
     }
-    planned = plan.plan_destination(dirs, seen, {}, {"now-a-link"}, overwrite=False)
+    planned = plan.plan_destination(dirs, seen, {}, {}, {"now-a-link"}, overwrite=False)
     created = plan.created_dirs(dirs, planned, {"made", "now-a-link"})
     assert [d.path for d in created] == ["made"]
 

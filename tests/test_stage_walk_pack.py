@@ -12,6 +12,7 @@ import pytest
 
 import bbio
 from bbio.stage import pack as pack_module
+from bbio.stage import walk as walk_module
 from bbio.stage.pack import INDEX_NAME
 from bbio.stage.walk import excluded_dir, walk
 from tests.test_stage import same_on_all_ranks, two_nodes
@@ -64,13 +65,23 @@ def src(comm, shared_tmp) -> Path:
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_walk_leaves_out_excluded_directories_with_what_they_hold(comm, src):
+def test_a_walk_leaves_out_excluded_directories_with_what_they_hold(comm, src, monkeypatch):
     everything = walk(comm, src)
+    listing = walk_module._list_and_stat
+    listed: list[str] = []
+
+    def recording(root, rel, include, exclude):  # the real listing, and which directory
+        listed.append(rel)
+        return listing(root, rel, include, exclude)
+
+    monkeypatch.setattr(walk_module, "_list_and_stat", recording)
     pruned = walk(comm, src, exclude=["d1/*"])
     assert [e.path for e in pruned.entries] == [
         e.path for e in everything.entries if not e.path.startswith("d1")
     ]
     assert same_on_all_ranks(comm, [e.path for e in pruned.entries])
+    entered = sorted(set().union(*comm.allgather(set(listed))))
+    assert entered and not [rel for rel in entered if rel.startswith("d1")], entered
 
 
 def _replace(path: Path, how: str) -> None:

@@ -131,7 +131,9 @@ def _job(args: argparse.Namespace, phase: str, result: Path) -> list[str]:
 @contextlib.contextmanager
 def _started(command: list[str], log: Path) -> Iterator[subprocess.Popen]:
     """Start ``command`` in a session of its own, its output into ``log``; on leaving (an
-    error, Ctrl-C, SIGTERM), kill whatever of it still runs."""
+    error, Ctrl-C, SIGTERM), kill whatever of it still runs below it.  A checkpoint drain
+    is not below it (it runs in a session of its own, to outlive a crash): it finishes its
+    queue and exits by itself once its rank is gone."""
     with open(log, "wb") as out:
         job = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True

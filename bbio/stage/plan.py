@@ -12,11 +12,15 @@ import heapq
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
-from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry
+from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry, Manifest
 
 # What opening, creating and committing one file costs, in bytes of transfer
 # time: it makes many small files count for more than their bytes alone.
 FILE_COST_BYTES = 256 << 10
+
+# The attribute of a stage-out's pending record that the manifest written after it names
+# (as its "pending"): a record the manifest names is spent.
+PENDING_TOKEN = "token"
 
 T = TypeVar("T")
 
@@ -273,20 +277,22 @@ def damaged_mtime(mtime_ns: int) -> int:
     return 1 if mtime_ns == 0 else 0
 
 
-def is_recorded(now: DestState, versions: Iterable[Entry]) -> bool:
-    """True if the destination's ``now`` is one of the ``versions`` bbio wrote or read at
-    its path (kind, size and mtime, or target), or such a file's copy that stage-out's
-    verify marked damaged (:func:`damaged_mtime`)."""
-    for v in versions:
+def is_recorded(now: DestState, read: Iterable[Entry], written: Iterable[Entry]) -> bool:
+    """True if the destination's ``now`` is one of the versions bbio ``read`` or ``written``
+    at its path (kind, size and mtime, or target), or the copy of a file stage-out
+    ``written`` that its verify marked damaged (same size, :func:`damaged_mtime`)."""
+    written = list(written)
+    for v in (*read, *written):
         if v.kind != now.kind:
             continue
         if v.kind == SYMLINK and v.target == now.target:
             return True
         if v.kind == FILE and (now.size, now.mtime_ns) == (v.size, v.mtime_ns):
             return True
-        if v.kind == FILE and now.mtime_ns == damaged_mtime(v.mtime_ns):
-            return True
-    return False
+    return now.kind == FILE and any(
+        v.kind == FILE and (now.size, now.mtime_ns) == (v.size, damaged_mtime(v.mtime_ns))
+        for v in written
+    )
 
 
 def to_check(entries: Iterable[Entry], seen: Mapping[str, DestState]) -> list[str]:
@@ -309,29 +315,36 @@ class Destination:
     followed: frozenset[str]  # the user's symlinks to directories outside it: written through
     replaced: frozenset[str]  # symlinks replaced by directories
     changed: list[str]  # files and symlinks changed since bbio wrote or read them: refused
-    foreign_links: list[str]  # the user's other symlinks where the source has a directory: refused
+    foreign_links: list[str]  # the user's other symlinks copying would replace: refused
+    in_the_way: list[str]  # directories to make where a file is: refused, even with overwrite
 
 
 def plan_destination(
     entries: Sequence[Entry],
     seen: Mapping[str, DestState],
-    records: Mapping[str, Sequence[Entry]],
+    written: Mapping[str, Sequence[Entry]],
+    read: Mapping[str, Sequence[Entry]],
     outward: Collection[str],
     overwrite: bool,
 ) -> Destination:
     """Stage-out: what copying ``entries`` may do to the destination ``seen`` (its lstat,
     also through symlinks).
 
-    ``records`` holds the versions bbio last wrote at each path or read there (the
-    destination's manifest and pending record, the stage-in manifest of the copy);
+    ``written`` holds the versions stage-out last wrote at each path (the destination's
+    manifest and pending record), ``read`` those the stage-in of the copy read there;
     ``outward``, the symlinks of ``seen`` that lead to a directory outside the
     destination.  A symlink where the source has a directory is replaced by a directory
     when it is a version bbio recorded, followed (written through) when it leads
     outward, else refused (``foreign_links``).  A file or symlink to copy whose
     destination holds a version other than those recorded for it is refused
-    (``changed``); one with no record is replaced, as ``cp`` does.  With ``overwrite``
-    nothing is refused: all of them are replaced.
+    (``changed``); one with no record is replaced, as ``cp`` does, unless it is a
+    symlink (``foreign_links``).  With ``overwrite`` none of them is refused: all are
+    replaced.  A file where the source has a directory is refused (``in_the_way``).
     """
+
+    def recorded(path: str, now: DestState) -> bool:
+        return is_recorded(now, read.get(path, ()), written.get(path, ()))
+
     followed: set[str] = set()
     replaced: set[str] = set()
     foreign: list[str] = []
@@ -345,7 +358,7 @@ def plan_destination(
             p in seen and seen[p].kind == SYMLINK and p not in followed for p in _ancestors(path)
         ):
             continue  # a directory, or seen through a symlink that is not followed
-        if is_recorded(now, records.get(path, ())):
+        if recorded(path, now):
             replaced.add(path)
         elif path in outward:
             followed.add(path)
@@ -354,15 +367,34 @@ def plan_destination(
         else:
             foreign.append(f"{path} -> {now.target}")
     current = not_through_symlinks(seen, followed)
-    changed = [
+    changed: list[str] = []
+    for e in to_copy(entries, current):
+        now = current.get(e.path)
+        if overwrite or now is None:
+            continue
+        if e.path in written or e.path in read:
+            if not recorded(e.path, now):
+                changed.append(e.path)
+        elif now.kind == SYMLINK:
+            foreign.append(f"{e.path} -> {now.target}")
+    in_the_way = [
         e.path
-        for e in to_copy(entries, current)
-        if not overwrite
-        and e.path in current
-        and e.path in records
-        and not is_recorded(current[e.path], records[e.path])
+        for e in entries
+        if e.kind == DIR and e.path in current and current[e.path].kind == FILE
     ]
-    return Destination(current, frozenset(followed), frozenset(replaced), changed, foreign)
+    return Destination(
+        current, frozenset(followed), frozenset(replaced), changed, sorted(foreign), in_the_way
+    )
+
+
+def live_pending(manifest: Manifest | None, pending: Manifest | None) -> Manifest | None:
+    """Stage-out: the destination's ``pending`` record, or None if the destination's
+    ``manifest`` was written after it (by the run that wrote it, stopped before removing
+    it): the manifest names the record's ``token`` (:data:`PENDING_TOKEN`)."""
+    token = pending.attrs.get(PENDING_TOKEN) if pending is not None else None
+    if token is not None and manifest is not None and manifest.attrs.get("pending") == token:
+        return None
+    return pending
 
 
 def created_dirs(

@@ -925,11 +925,13 @@ def stage_out(
 
 def _read_destination_records(comm, root: Path) -> tuple[Manifest | None, Manifest | None]:
     """Collective over ``comm``: the manifest of the stage-out destination ``root`` and its
-    pending record (:data:`PENDING`), read by rank 0."""
+    pending record (:data:`PENDING`, None once the manifest was written after it), read
+    by rank 0."""
     found: tuple[Manifest | None, Manifest | None] = (None, None)
     with agreed(comm, "stage-out: reading the previous manifest"):
         if comm.Get_rank() == 0:
-            found = (files.read_manifest(root), files.read_manifest(root, PENDING))
+            manifest = files.read_manifest(root)
+            found = (manifest, plan.live_pending(manifest, files.read_manifest(root, PENDING)))
     return comm.bcast(found, root=0)
 
 
@@ -940,28 +942,39 @@ def _recorded_versions(
     dst_root: Path,
     documents: Iterable[Manifest | None],
     paths: Sequence[str],
-) -> dict[str, list[Entry]]:
-    """Collective over ``comm``: for ``paths``, the versions bbio last wrote in ``dst_root``
-    or read there: those of its ``documents`` (manifest, pending record) and of the
-    stage-in manifest each node's ``src_root`` holds when it was copied from ``dst_root``."""
+) -> tuple[dict[str, list[Entry]], dict[str, list[Entry]]]:
+    """Collective over ``comm``: for ``paths``, the versions stage-out last wrote in
+    ``dst_root`` (those of its ``documents``: manifest, pending record) and those bbio read
+    there (of the stage-in manifest each node's ``src_root`` holds when it was copied from
+    ``dst_root``; one that cannot be read is no record, with a warning)."""
     wanted = set(paths)
     source = str(dst_root.resolve())
 
     def stage_in_record() -> list[Entry]:
-        manifest = files.read_manifest(src_root) if topo.is_leader and wanted else None
+        if not (topo.is_leader and wanted):
+            return []
+        try:
+            manifest = files.read_manifest(src_root)
+        except BBIOError as exc:
+            log.warning("stage-out: node %d: ignoring its stage-in manifest: %s", topo.node, exc)
+            return []
         if manifest is None or manifest.kind != "stage-in":
             return []
         if manifest.attrs.get("source") != source:
             return []
         return [e for e in manifest.entries if e.path in wanted]
 
+    def by_path(versions: Iterable[Entry]) -> dict[str, list[Entry]]:
+        found: dict[str, list[Entry]] = {}
+        for e in versions:
+            if e.path in wanted and e not in found.setdefault(e.path, []):
+                found[e.path].append(e)
+        return found
+
     what = "stage-out: reading the manifest of the stage-in each source came from"
     read = agreed_allgather(comm, what, stage_in_record)
-    found: dict[str, list[Entry]] = {}
-    for e in itertools.chain(*(d.entries for d in documents if d is not None), *read):
-        if e.path in wanted and e not in found.setdefault(e.path, []):
-            found[e.path].append(e)
-    return found
+    written = itertools.chain(*(d.entries for d in documents if d is not None))
+    return by_path(written), by_path(itertools.chain(*read))
 
 
 def _leading_out(comm, root: Path, links: Sequence[str]) -> set[str]:
@@ -985,16 +998,22 @@ def _parents(documents: Iterable[Manifest | None]) -> set[str]:
 
 def _record_pending(
     root: Path, old: Manifest | None, pending: Manifest | None, changing: Sequence[Entry]
-) -> None:
+) -> str:
     """Not collective: before anything under ``root`` changes, add the versions about to be
-    written there (``changing``) to its pending record, so that the next run knows them
-    for bbio's if this one is interrupted; then withdraw their entries from ``old``."""
+    written there (``changing``) and those they replace (``old``'s) to its pending record,
+    so that the next run knows them for bbio's if this one is interrupted; then withdraw
+    their entries from ``old``.  Returns the record's token, for the manifest to name."""
+    paths = {e.path for e in changing}
     earlier = pending.entries if pending is not None else []
+    replaced = [e for e in old.entries if e.path in paths] if old is not None else []
+    token = os.urandom(8).hex()
+    versions = list(dict.fromkeys([*earlier, *replaced, *changing]))
     files.write_manifest(
-        root, Manifest("stage-out", list(dict.fromkeys([*earlier, *changing]))), PENDING
+        root, Manifest("stage-out", versions, {plan.PENDING_TOKEN: token}), PENDING
     )
     if old is not None:
         files.withdraw_entries(root, old, [e.path for e in changing if e.kind != DIR])
+    return token
 
 
 def _forget_pending(root: Path) -> None:
@@ -1009,6 +1028,14 @@ def _forget_pending(root: Path) -> None:
 def _refuse_replacing(root: Path, destination: plan.Destination) -> None:
     """Raise the :class:`AlreadyExistsError` that lists what stage-out must not replace in
     ``root``, unless there is nothing.  Not collective (every rank has the same plan)."""
+    if destination.in_the_way:
+        raise AlreadyExistsError(
+            f"stage-out cannot make, in {root}, {len(destination.in_the_way)} directory(ies) "
+            "of the source where a file is: " + "; ".join(destination.in_the_way[:20]),
+            path=root,
+            hint="move aside or remove those files (or leave the directories out with "
+            "--exclude); --overwrite does not replace a file by a directory",
+        )
     parts = []
     if destination.changed:
         parts.append(
@@ -1017,9 +1044,9 @@ def _refuse_replacing(root: Path, destination: plan.Destination) -> None:
         )
     if destination.foreign_links:
         parts.append(
-            f"{len(destination.foreign_links)} symlink(s) of yours where the source has a "
-            "directory, which bbio follows only to a directory outside the destination: "
-            + "; ".join(destination.foreign_links[:20])
+            f"{len(destination.foreign_links)} symlink(s) of yours (bbio writes through one "
+            "only where the source has a directory and it leads to a directory outside the "
+            "destination): " + "; ".join(destination.foreign_links[:20])
         )
     if parts:
         raise AlreadyExistsError(
@@ -1066,12 +1093,12 @@ def _stage_out(
     dirs = [e for e in everything if e.kind == DIR]
     seen = dest_state(comm, dst_root, [e.path for e in everything])
     old, pending = _read_destination_records(comm, dst_root)
-    records = _recorded_versions(
+    written, read = _recorded_versions(
         comm, topo, src_root, dst_root, (old, pending), plan.to_check(everything, seen)
     )
     links = [d.path for d in dirs if d.path in seen and seen[d.path].kind == SYMLINK]
     destination = plan.plan_destination(
-        everything, seen, records, _leading_out(comm, dst_root, links), overwrite
+        everything, seen, written, read, _leading_out(comm, dst_root, links), overwrite
     )
     current = destination.current
     todo_all = plan.to_copy(everything, current)
@@ -1100,6 +1127,7 @@ def _stage_out(
     chmod = plan.to_chmod(everything, current, _recorded_modes(old))
     remove_leftovers(comm, dst_root, [], {*(d.path for d in dirs), *_parents((old, pending))})
     mine = [e for e in todo_all if chosen[e.path] == topo.node]
+    token = pending.attrs.get(plan.PENDING_TOKEN) if pending is not None else None
     with agreed(comm, "stage-out: checking space and creating directories"):
         if comm.Get_rank() == 0:
             _check_capacity(
@@ -1109,7 +1137,7 @@ def _stage_out(
                 "free space there, or stage out fewer files (--include/--exclude)",
             )
             if todo_all or created:
-                _record_pending(dst_root, old, pending, [*todo_all, *created])
+                token = _record_pending(dst_root, old, pending, [*todo_all, *created])
             _make_dirs(dst_root, created, None)
             _set_modes(dst_root, chmod)
     comm.Barrier()
@@ -1149,6 +1177,7 @@ def _stage_out(
                         "nodes": topo.nodes,
                         "verified": verify,
                         "skipped": [dataclasses.asdict(s) for s in skipped],
+                        "pending": token,  # the pending record it makes spent
                     },
                 ),
             )

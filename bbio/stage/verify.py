@@ -27,10 +27,7 @@ DIFFERENCE_HINT = (
     "delete the differing destination copies, then rerun the transfer: it copies what is "
     "missing (a rerun alone keeps a copy whose size and mtime match)"
 )
-RERUN_HINT = (
-    "rerun the transfer until it succeeds: it copies what is missing or changed (a stage-in "
-    "with --include, --exclude or --skip-unreadable is never complete)"
-)
+RERUN_HINT = "rerun the transfer until it succeeds: it copies what is missing or changed"
 
 
 @dataclasses.dataclass
@@ -114,7 +111,9 @@ def verify(
 
     Either side may contain ``{node}`` (a per-node burst buffer).  Raises
     :class:`IntegrityError` naming every file that differs or is missing, every
-    manifest not ``complete`` and every file it records no CRC32C for.
+    manifest a transfer left ``unfinished`` (it failed or was interrupted; a finished
+    copy that filtered or skipped files is checked for what it holds) and every file
+    it records no CRC32C for.
     """
     config = config or load_config()
     arguments = {"src": src, "dst": dst, "ranks_per_node": config.ranks_per_node}

@@ -117,7 +117,12 @@ def open_source(path: Path) -> int | None:
         if exc.errno == errno.ELOOP:  # now a symlink
             return None
         raise _fail(exc, "open for reading", path) from None
-    if stat.S_ISREG(os.fstat(fd).st_mode):
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except OSError as exc:
+        os.close(fd)
+        raise _fail(exc, "look at", path) from None
+    if regular:
         return fd
     os.close(fd)
     return None
