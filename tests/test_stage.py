@@ -301,9 +301,9 @@ def test_a_file_that_changes_during_the_copy(comm, shared_tmp, writer_seconds):
             writer.join()
 
 
-def _change_until_copied(hot: Path, copies: list[Path], stop: threading.Event) -> None:
-    """Change ``hot`` until one of ``copies`` (its temporary or final copy) exists, then
-    replace its directory with a file: the copy saw it change, its retry finds it gone."""
+def change_until_copied(hot: Path, copies: list[Path], stop: threading.Event) -> None:
+    """Change ``hot`` (its size and mtime) until one of ``copies`` (its temporary or final
+    copy) exists, or ``stop``."""
     counter = 0
     while not stop.is_set() and not any(c.exists() for c in copies):
         counter += 1
@@ -311,8 +311,37 @@ def _change_until_copied(hot: Path, copies: list[Path], stop: threading.Event) -
             f.write(b"+")
         os.utime(hot, ns=(counter, counter))
         time.sleep(0.0005)
+
+
+def _change_until_copied(hot: Path, copies: list[Path], stop: threading.Event) -> None:
+    """Change ``hot`` until a copy of it exists, then replace its directory with a file:
+    the copy saw it change, its retry finds it gone."""
+    change_until_copied(hot, copies, stop)
     shutil.rmtree(hot.parent)
     hot.parent.write_bytes(b"a file where the directory was")
+
+
+def stage_in_while_changing(comm, change, args: tuple, src: Path, name: str, config: Config):
+    """Collective: stage ``src`` into each node's ``bb/NODE/name`` (shard mode) while rank
+    0 runs ``change(*args, stop)`` in a thread, stopped once the stage-in ends."""
+    stop, writer = threading.Event(), None
+    if comm.Get_rank() == 0:
+        writer = threading.Thread(target=change, args=(*args, stop))
+        writer.start()
+    comm.Barrier()
+    try:
+        dst = Path(config.bb_root) / name  # bb_root holds {node}
+        return bbio.stage_in(comm, src, dst, mode="shard", config=config)
+    finally:
+        stop.set()
+        if writer:
+            writer.join()
+
+
+def assert_removed_during_the_copy(comm, summary, path: str) -> None:
+    """Every rank's summary skips exactly ``path``, as removed during the copy."""
+    skips = comm.allgather([(s.path, s.reason) for s in summary.skipped])
+    assert skips == [[(path, "removed during the copy")]] * comm.Get_size()
 
 
 @pytest.mark.timeout(120)
@@ -322,31 +351,19 @@ def test_a_file_gone_during_the_copy_is_skipped_alike_on_every_node(comm, shared
     node's manifest lists the file or calls the copy complete."""
     src = shared_tmp / "pfs" / "going"
     config = two_nodes(comm, shared_tmp)
-    stop, writer = threading.Event(), None
+    copies = [
+        shared_tmp / "bb" / node / "going" / "a" / name
+        for node in ("0", "1")
+        for name in ("hot.log", ".hot.log.bbio-part")
+    ]
     if comm.Get_rank() == 0:
         (src / "a").mkdir(parents=True)
         (src / "a" / "hot.log").write_bytes(b"start")
         (src / "calm.bin").write_bytes(b"calm")
-        copies = [
-            shared_tmp / "bb" / node / "going" / "a" / name
-            for node in ("0", "1")
-            for name in ("hot.log", ".hot.log.bbio-part")
-        ]
-        writer = threading.Thread(
-            target=_change_until_copied, args=(src / "a" / "hot.log", copies, stop)
-        )
-        writer.start()
-    comm.Barrier()
-    try:
-        summary = bbio.stage_in(
-            comm, src, shared_tmp / "bb" / "{node}" / "going", mode="shard", config=config
-        )
-    finally:
-        stop.set()
-        if writer:
-            writer.join()
-    skips = comm.allgather([(s.path, s.reason) for s in summary.skipped])
-    assert skips == [[("a/hot.log", "removed during the copy")]] * comm.Get_size()
+    summary = stage_in_while_changing(
+        comm, _change_until_copied, (src / "a" / "hot.log", copies), src, "going", config
+    )
+    assert_removed_during_the_copy(comm, summary, "a/hot.log")
     for node in ("0", "1"):
         left = read_manifest(shared_tmp / "bb" / node / "going")
         assert "a/hot.log" not in {e.path for e in left.entries}

@@ -43,6 +43,20 @@ def write_on_every_node(comm, tmp: Path, name: str, path: str, data: bytes, mtim
     comm.Barrier()
 
 
+def stage_in_a_model_then_change_it(comm, tmp: Path, name: str, config) -> tuple[Path, Path]:
+    """Collective: stage in tmp/pfs/NAME holding model.txt v1, then the job makes it v2 on
+    every node; (the PFS tree, the burst-buffer template)."""
+    pfs = tmp / "pfs" / name
+    if comm.Get_rank() == 0:
+        pfs.mkdir(parents=True)
+        (pfs / "model.txt").write_bytes(b"model v1")
+    comm.Barrier()
+    bb = tmp / "bb" / "{node}" / name
+    bbio.stage_in(comm, pfs, bb, config=config)
+    write_on_every_node(comm, tmp, name, "model.txt", b"model v2", 10**18)
+    return pfs, bb
+
+
 @pytest.mark.mpi(min_size=2)
 def test_a_file_edited_on_the_pfs_since_the_stage_in_is_not_replaced(comm, shared_tmp):
     """Stage in a project, edit one of its files on the PFS, stage the burst-buffer tree
@@ -110,14 +124,7 @@ def test_what_an_interrupted_stage_out_wrote_is_bbios_for_the_rerun(comm, shared
     record tells the rerun that the PFS's model.txt is bbio's (not the user's edit of the
     staged-in version), so the job's newer version replaces it."""
     config = two_nodes(comm, shared_tmp, stage_round_bytes=1)  # one file per round
-    pfs = shared_tmp / "pfs" / "run"
-    if comm.Get_rank() == 0:
-        pfs.mkdir(parents=True)
-        (pfs / "model.txt").write_bytes(b"model v1")
-    comm.Barrier()
-    bb = shared_tmp / "bb" / "{node}" / "run"
-    bbio.stage_in(comm, pfs, bb, config=config)
-    write_on_every_node(comm, shared_tmp, "run", "model.txt", b"model v2", 10**18)
+    pfs, bb = stage_in_a_model_then_change_it(comm, shared_tmp, "run", config)
     write_on_every_node(comm, shared_tmp, "run", "z.txt", b"last in path order", 10**18)
     if comm.Get_rank() == 0:
         (pfs / "z.txt").mkdir()  # in the way: the second round fails
@@ -275,14 +282,7 @@ def test_a_damaged_stage_in_manifest_in_the_burst_buffer_is_no_record(comm, shar
     """The burst-buffer tree's own stage-in manifest is only an extra record: one that is
     not valid JSON is ignored (with a warning), and the stage-out goes on."""
     config = two_nodes(comm, shared_tmp)
-    pfs = shared_tmp / "pfs" / "data"
-    if comm.Get_rank() == 0:
-        pfs.mkdir(parents=True)
-        (pfs / "model.txt").write_bytes(b"model v1")
-    comm.Barrier()
-    bb = shared_tmp / "bb" / "{node}" / "data"
-    bbio.stage_in(comm, pfs, bb, config=config)
-    write_on_every_node(comm, shared_tmp, "data", "model.txt", b"model v2", 10**18)
+    pfs, bb = stage_in_a_model_then_change_it(comm, shared_tmp, "data", config)
     node = node_leader(comm)
     if node is not None:
         files.manifest_path(shared_tmp / "bb" / str(node) / "data").write_text("{damaged")

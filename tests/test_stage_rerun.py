@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -15,7 +14,14 @@ import pytest
 
 import bbio
 from bbio.transfer import files
-from tests.test_stage import _keep_changing, files_under, two_nodes
+from tests.test_stage import (
+    _keep_changing,
+    assert_removed_during_the_copy,
+    change_until_copied,
+    files_under,
+    stage_in_while_changing,
+    two_nodes,
+)
 from tests.test_stage_usage import damage
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -136,20 +142,28 @@ def test_job_and_user_in_a_source_path_are_expanded(comm, shared_tmp):
     assert (shared_tmp / "pfs" / "packed-77" / "bbio-pack.json").exists()
 
 
+def _direction(comm, tmp: Path, direction: str, name: str) -> tuple:
+    """A stage-in ("in": tmp/pfs/NAME to each node's burst buffer) or stage-out ("out":
+    each node's burst buffer to tmp/pfs/NAME) of a tree called NAME: this rank's node,
+    src and dst templates, the source roots this rank fills in if it is ``first`` (their
+    writer), the copies' roots, and ``bbio.stage_in`` or ``bbio.stage_out``."""
+    node = comm.Get_rank() // (comm.Get_size() // 2)
+    on_each_node = tmp / "bb" / "{node}" / name
+    if direction == "in":
+        src = tmp / "pfs" / name
+        copies = [tmp / "bb" / n / name for n in ("0", "1")]
+        return node, src, on_each_node, [src], copies, bbio.stage_in, comm.Get_rank() == 0
+    dst = tmp / "pfs" / name
+    first = comm.Get_rank() % (comm.Get_size() // 2) == 0
+    return node, on_each_node, dst, [tmp / "bb" / str(node) / name], [dst], bbio.stage_out, first
+
+
 @pytest.mark.parametrize("direction", ["in", "out"])
 def test_a_mode_change_alone_reaches_the_copy_without_copying_it(comm, shared_tmp, direction):
     """A file made private after its copy keeps its size and mtime: a rerun gives the
     copy the new mode (a copy left readable by others would leak it) without copying."""
     config = two_nodes(comm, shared_tmp)
-    node = comm.Get_rank() // (comm.Get_size() // 2)
-    if direction == "in":
-        src, dst = shared_tmp / "pfs" / "modes", shared_tmp / "bb" / "{node}" / "modes"
-        sources, copies = [src], [shared_tmp / "bb" / n / "modes" for n in ("0", "1")]
-        stage, first = bbio.stage_in, comm.Get_rank() == 0
-    else:
-        src, dst = shared_tmp / "bb" / "{node}" / "results", shared_tmp / "pfs" / "results"
-        sources, copies = [shared_tmp / "bb" / str(node) / "results"], [dst]
-        stage, first = bbio.stage_out, comm.Get_rank() % (comm.Get_size() // 2) == 0
+    node, src, dst, sources, copies, stage, first = _direction(comm, shared_tmp, direction, "modes")
     if first:
         for root in sources:
             root.mkdir(parents=True)
@@ -178,15 +192,7 @@ def test_leftovers_in_a_directory_since_removed_from_the_source_are_removed(
     """A run killed while copying old/f left old/.f.bbio-part; old/ then left the source.
     The rerun looks in the directories of the previous manifest too, not only the tree's."""
     config = two_nodes(comm, shared_tmp)
-    node = comm.Get_rank() // (comm.Get_size() // 2)
-    if direction == "in":
-        src, dst = shared_tmp / "pfs" / "tidy", shared_tmp / "bb" / "{node}" / "tidy"
-        sources, copies = [src], [shared_tmp / "bb" / n / "tidy" for n in ("0", "1")]
-        stage, first = bbio.stage_in, comm.Get_rank() == 0
-    else:
-        src, dst = shared_tmp / "bb" / "{node}" / "tidy", shared_tmp / "pfs" / "tidy"
-        sources, copies = [shared_tmp / "bb" / str(node) / "tidy"], [dst]
-        stage, first = bbio.stage_out, comm.Get_rank() % (comm.Get_size() // 2) == 0
+    _, src, dst, sources, copies, stage, first = _direction(comm, shared_tmp, direction, "tidy")
     if first:
         for root in sources:
             (root / "old").mkdir(parents=True)
@@ -214,13 +220,7 @@ def test_leftovers_in_a_directory_since_removed_from_the_source_are_removed(
 def _change_then_link(hot: Path, copies: list[Path], secret: Path, stop: threading.Event) -> None:
     """Change ``hot`` until one of ``copies`` exists, then replace it by a symlink to
     ``secret``: the copy saw it change, its retry finds a symlink."""
-    counter = 0
-    while not stop.is_set() and not any(c.exists() for c in copies):
-        counter += 1
-        with open(hot, "ab") as f:
-            f.write(b"+")
-        os.utime(hot, ns=(counter, counter))
-        time.sleep(0.0005)
+    change_until_copied(hot, copies, stop)
     hot.unlink()
     hot.symlink_to(secret)
 
@@ -232,32 +232,20 @@ def test_a_file_replaced_by_a_symlink_during_the_copy_is_not_followed(comm, shar
     src = shared_tmp / "pfs" / "swapped"
     secret = shared_tmp / "pfs" / "secret.txt"
     config = two_nodes(comm, shared_tmp)
-    stop, writer = threading.Event(), None
+    copies = [
+        shared_tmp / "bb" / node / "swapped" / name
+        for node in ("0", "1")
+        for name in ("hot.log", ".hot.log.bbio-part")
+    ]
     if comm.Get_rank() == 0:
         src.mkdir(parents=True)
         secret.write_bytes(b"another user's secret")
         (src / "hot.log").write_bytes(b"start")
         (src / "calm.bin").write_bytes(b"calm")
-        copies = [
-            shared_tmp / "bb" / node / "swapped" / name
-            for node in ("0", "1")
-            for name in ("hot.log", ".hot.log.bbio-part")
-        ]
-        writer = threading.Thread(
-            target=_change_then_link, args=(src / "hot.log", copies, secret, stop)
-        )
-        writer.start()
-    comm.Barrier()
-    try:
-        summary = bbio.stage_in(
-            comm, src, shared_tmp / "bb" / "{node}" / "swapped", mode="shard", config=config
-        )
-    finally:
-        stop.set()
-        if writer:
-            writer.join()
-    skips = comm.allgather([(s.path, s.reason) for s in summary.skipped])
-    assert skips == [[("hot.log", "removed during the copy")]] * comm.Get_size()
+    summary = stage_in_while_changing(
+        comm, _change_then_link, (src / "hot.log", copies, secret), src, "swapped", config
+    )
+    assert_removed_during_the_copy(comm, summary, "hot.log")
     for node in ("0", "1"):
         copy = shared_tmp / "bb" / node / "swapped" / "hot.log"
         assert not copy.exists() and not copy.is_symlink()
