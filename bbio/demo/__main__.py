@@ -132,8 +132,8 @@ def _job(args: argparse.Namespace, phase: str, result: Path) -> list[str]:
 def _started(command: list[str], log: Path) -> Iterator[subprocess.Popen]:
     """Start ``command`` in a session of its own, its output into ``log``; on leaving (an
     error, Ctrl-C, SIGTERM), kill whatever of it still runs below it.  A checkpoint drain
-    is not below it (it runs in a session of its own, to outlive a crash): it finishes its
-    queue and exits by itself once its rank is gone."""
+    is not below it (it runs in a session of its own, to outlive a crash):
+    :func:`train_and_kill` kills the drains itself."""
     with open(log, "wb") as out:
         job = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
@@ -191,13 +191,14 @@ def _draining(places: Places) -> int | None:
 
 
 def _descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, from /proc."""
+    """Every live process below ``pid``, from /proc (a zombie is dead: left out)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = Path(f"/proc/{entry}/stat").read_text()
-                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+                state, ppid = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[:2]
+                if state != "Z":
+                    children.setdefault(int(ppid), []).append(int(entry))
     found, todo = [], [pid]
     while todo:
         below = children.get(todo.pop(), [])
@@ -212,7 +213,8 @@ def _kill_tree(pid: int) -> None:
     Open MPI starts each rank in a process group of its own, so killing the
     launcher's group would leave the ranks running.
     """
-    for _ in range(5):  # again, for what was forked while the first ones died
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # again, for what was forked while the first ones died
         below = _descendants(pid)
         if not below:
             break
@@ -240,6 +242,21 @@ def kill_drain(journal: Path) -> str | None:
     return None
 
 
+def _kill_drains(places: Places) -> None:
+    """SIGKILL the drains of the journals seen here (:func:`kill_drain`); say which could
+    not be killed from this host."""
+    for journal in places.journals():
+        why = kill_drain(journal)
+        if why:
+            print(f"bbio demo: {why}", flush=True)
+    if not places.every_node_here():
+        print(
+            f"bbio demo: {places.nodes - len(places.bbs)} nodes' burst buffers are "
+            "not seen from this host: their drains were not killed here",
+            flush=True,
+        )
+
+
 def train_and_kill(args: argparse.Namespace, places: Places, result: Path) -> dict:
     """Run the training phase; kill it (ranks and drains) while a drain is in progress.
 
@@ -247,25 +264,20 @@ def train_and_kill(args: argparse.Namespace, places: Places, result: Path) -> di
     """
     log = result.with_suffix(".log")
     start, killed_at = time.monotonic(), None
-    with _started(_job(args, "train", result), log) as job:
-        while job.poll() is None:
-            step = _draining(places)
-            if step is not None:
-                killed_at = step
-                _kill_tree(job.pid)  # the launcher and its ranks (each in its own group)...
-                for journal in places.journals():  # ...and its drains, as Slurm would
-                    why = kill_drain(journal)
-                    if why:
-                        print(f"bbio demo: {why}", flush=True)
-                if not places.every_node_here():
-                    print(
-                        f"bbio demo: {places.nodes - len(places.bbs)} nodes' burst buffers are "
-                        "not seen from this host: their drains were not killed here",
-                        flush=True,
-                    )
-                break
-            time.sleep(0.005)
-        job.wait()
+    try:
+        with _started(_job(args, "train", result), log) as job:
+            while job.poll() is None:
+                step = _draining(places)
+                if step is not None:
+                    killed_at = step
+                    _kill_tree(job.pid)  # the launcher and its ranks (each in its own group)...
+                    _kill_drains(places)  # ...and its drains, as Slurm would
+                    break
+                time.sleep(0.005)
+            job.wait()
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM): the job's drains go with it
+        _kill_drains(places)
+        raise
     if killed_at is None and job.returncode != 0:
         _fail("the train phase", job.returncode, log)
     printed = [
