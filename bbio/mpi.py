@@ -154,8 +154,9 @@ def sum_over_ranks(comm, *values: int) -> list[int]:
     return [int(v) for v in comm.allreduce(np.array(values, dtype=np.int64))]
 
 
-def _describe(exc: BaseException) -> tuple[str, str, int | None]:
-    """(class, message, errno) of ``exc`` as every rank can rebuild it: a bbio error's
+def describe_error(exc: BaseException) -> tuple[str, str, int | None]:
+    """Not collective: (class, message, errno) of ``exc`` as every rank can rebuild it (with
+    :func:`agreed_error`, or as a column's members do in staging): a bbio error's
     class is the nearest one of :data:`CLASSES_BY_NAME` it derives from (a module's own
     subclass, such as a UsageError's, stays a UsageError)."""
     known = next((c.__name__ for c in type(exc).__mro__ if c.__name__ in CLASSES_BY_NAME), None)
@@ -214,7 +215,7 @@ def agreed(comm, what: str, totals: np.ndarray | None = None) -> Iterator[None]:
         totals[:] = sums[1:]
     if not sums[0]:
         return
-    outcome = None if local is None else _describe(local)
+    outcome = None if local is None else describe_error(local)
     outcomes = comm.allgather(outcome)
     failures = [(r, *o) for r, o in enumerate(outcomes) if o is not None]
     if failures:
@@ -237,7 +238,7 @@ def agreed_allgather(comm, what: str, fn: Callable[[], T], quiet: bool = False) 
         local = exc
     if quiet:
         wait_quietly(comm.Ibarrier())
-    outcomes = comm.allgather((None if local is None else _describe(local), result))
+    outcomes = comm.allgather((None if local is None else describe_error(local), result))
     failures = [(r, *o) for r, (o, _) in enumerate(outcomes) if o is not None]
     if failures:
         raise agreed_error(failures, what, comm.Get_size()) from local

@@ -76,7 +76,7 @@ def list_checkpoints(
     for n in _names_to_look_at(bb_root, pfs_root, name):
         bb_dir, pfs_dir = bb_root / layout.CKPT_DIR / n, pfs_root / layout.CKPT_DIR / n
         local = reader.bb_copies(bb_dir, node)
-        pfs, committed = describe_pfs(pfs_dir), drain.committed_saves(pfs_dir)
+        pfs, committed = describe_pfs(pfs_dir)
         journal = drain.journal_dir(bb_dir)
         queue = {step: "set aside" for step in drain.set_aside(journal)}
         queue.update((t.step, "queued") for t in drain.pending(journal))

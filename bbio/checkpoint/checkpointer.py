@@ -783,7 +783,7 @@ class Checkpointer:
         saves: dict[int, Any] = {}
         with agreed(self.comm, f"checkpoint {self.name}: listing"):
             if self.rank == 0:
-                pfs, saves = describe_pfs(self.pfs_dir), drain.committed_saves(self.pfs_dir)
+                pfs, saves = describe_pfs(self.pfs_dir)
             local = reader.bb_copies(self.bb_dir, self.node) if self.topo.is_leader else None
         pfs, saves = self.comm.bcast((pfs, saves), root=0)
         per_node = [c for c in self.comm.allgather(local) if c is not None]
@@ -845,11 +845,13 @@ class Checkpointer:
         self.close(wait=exc[0] is None)
 
 
-def describe_pfs(pfs_ckpt_dir: Path) -> dict[int, str]:
+def describe_pfs(pfs_ckpt_dir: Path) -> tuple[dict[int, str], dict[int, Any]]:
     """Steps on the PFS: committed, draining (some node files there), "damaged manifest"
     (not valid JSON), or "damaged node N" (node N's file of the step's latest save is
-    damaged: set aside, never committed).  Not collective."""
-    states = {}
+    damaged: set aside, never committed); and the committed saves' times, as
+    :func:`drain.committed_saves` (each manifest is read once).  Not collective."""
+    states: dict[int, str] = {}
+    saves: dict[int, Any] = {}
     for step in drain.steps_in(pfs_ckpt_dir):
         step_dir = pfs_ckpt_dir / layout.step_dirname(step)
         try:
@@ -862,7 +864,9 @@ def describe_pfs(pfs_ckpt_dir: Path) -> dict[int, str]:
             states[step] = f"damaged node {damaged.get('node')}"
         else:
             states[step] = "committed" if manifest else "draining"
-    return states
+        if manifest is not None:
+            saves[step] = manifest.get("time")
+    return states, saves
 
 
 def _lor():

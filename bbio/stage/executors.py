@@ -37,6 +37,7 @@ from bbio.errors import (
     NoSpaceError,
     from_oserror,
 )
+from bbio.mpi import describe_error
 from bbio.stage.plan import Piece, group_by_size, partition
 from bbio.stage.progress import Progress
 from bbio.transfer.files import PieceResult, copy_piece, open_source, temp_name, temp_path
@@ -398,18 +399,18 @@ def _held(node: int) -> Iterator[_Held]:
         held.error = exc
 
 
-def _described(error: Exception | None) -> tuple[str, str] | None:
-    return None if error is None else (type(error).__name__, str(error))
+def _described(error: Exception | None) -> tuple[str, str, int | None] | None:
+    return None if error is None else describe_error(error)
 
 
 def _raise_first(meta: Sequence[tuple], mine: Exception | None) -> None:
     """Raise, on every member of a column, the error of its first member that failed
-    (the same class and message everywhere); return if none did."""
+    (the same class, message and errno everywhere); return if none did."""
     failures = [(member, m[2]) for member, m in enumerate(meta) if m[2] is not None]
     if not failures:
         return
-    member, (name, message) = failures[0]  # a column's member is a node: bbio errors say it
+    member, (name, message, errno) = failures[0]  # a member is a node: bbio errors say it
     cls = CLASSES_BY_NAME.get(name)
     if cls is None:
         raise CollectiveError(f"node {member}: {name}: {message}") from mine
-    raise cls(message) from mine
+    raise cls(message, errno=errno) from mine

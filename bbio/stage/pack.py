@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import os
-import stat
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -98,22 +96,13 @@ def _h5py():
 
 
 def _open_regular(path: Path) -> int:
-    """Open ``path`` for reading; raise :class:`IntegrityError` unless it is (still) a
-    regular file.  A symlink put in its place is not followed, a FIFO does not block."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise IntegrityError(
-                f"{path} is a symlink now, not the regular file the walk of the source found",
-                hint=CHANGED_HINT,
-            ) from None
-        raise from_oserror(exc, "open for reading", path) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
+    """Open ``path`` for reading (:func:`files.open_source`); raise
+    :class:`IntegrityError` unless it is still the regular file the walk found."""
+    fd = files.open_source(path)
+    if fd is None:  # the error path only: say what is there now
+        now = "is a symlink now" if path.is_symlink() else "is gone or no longer a regular file"
         raise IntegrityError(
-            f"{path} is no longer a regular file (a FIFO, socket or device was put in its "
-            "place since the walk of the source)",
+            f"{path} {now}, not the regular file the walk of the source found",
             hint=CHANGED_HINT,
         )
     return fd
