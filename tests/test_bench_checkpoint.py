@@ -22,13 +22,14 @@ BASE_SYSTEMS = (
     "bbio",
     "bbio-committed",
     "bbio-fresh",
+    "bbio-stream",
     "h5py-bb",
     "h5py-sync",
     "pfs-write",
     "pfs-write-node",
 )
 DCP_SYSTEMS = ("dcp-async", "dcp-async-committed")
-RATES = ("bbio-drain", "pfs-write", "pfs-write-node")
+RATES = ("bbio-drain", "bbio-drain-stream", "pfs-write", "pfs-write-node")
 
 
 def torch_importable() -> bool:

@@ -3,6 +3,7 @@ node records, and what a waiting rank learns from its node's journal."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -193,13 +194,12 @@ def test_a_step_saved_again_while_draining_is_never_committed_from_mixed_saves(t
     j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
     old_task = drain.pending(j0)[0]
     two_node_save(tmp_path / "bb", 7, 2.5)  # saved again before the drain took the old task
-    commits = drain._Commits(j0)
-    assert drain._process(j0, old_task, commits) is False  # stale: left to the new task
+    assert drain._begin(j0, old_task) is None  # stale: left to the new task
     assert drain.pending(j0)[0].save_time == 2.5
     pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
     assert not (pfs_step / layout.node_record_name(0)).exists()
     # node 1 drained the old save before it was saved again: its record is of 1.5
-    drain.copy_node_file(dataclasses.replace(drain.pending(j1)[0], save_time=None))
+    drain.start_copy(dataclasses.replace(drain.pending(j1)[0], save_time=None)).finish()
     files.write_json_atomic(
         pfs_step / layout.node_record_name(1),
         {**files.read_json(pfs_step / layout.node_record_name(1)), "time": 1.5},
@@ -234,7 +234,8 @@ def test_a_copy_of_a_file_saved_again_meanwhile_never_replaces_the_pfs_file(tmp_
     new_save.replace(task.source)
     task.target.parent.mkdir(parents=True)
     task.target.write_bytes(b"the new save's file")
-    assert drain.copy_node_file(task) is None
+    copying = drain.start_copy(task)  # the BB record is still the old save's
+    assert copying is not None and copying.finish() is None
     assert task.target.read_bytes() == b"the new save's file"
     assert not (task.target.parent / layout.node_record_name(0)).exists()
     assert not list(task.target.parent.glob("*bbio-part"))  # neither copy nor record left
@@ -691,7 +692,7 @@ def test_a_task_of_a_save_withdrawn_meanwhile_is_dropped_not_set_aside(tmp_path)
     shutil.rmtree(task.source.parent)  # and is withdrawn: file, record and task removed
     drain.task_path(j0, 7).unlink()
     (tmp_path / "pfs" / layout.step_dirname(7)).mkdir(parents=True)  # another node copied
-    assert drain._process(j0, task, drain._Commits(j0)) is False
+    assert drain._begin(j0, task) is None
     assert not drain.set_aside_path(j0, 7).exists()
     assert drain.read_damaged(tmp_path / "pfs" / layout.step_dirname(7)) is None
 
@@ -734,3 +735,87 @@ def test_a_step_counts_on_every_node_only_from_one_save():
     committed = {3: 3.5, 4: 4.0}  # step 3 saved again since, on other burst buffers
     assert restore.one_save_on_every_node(nodes, committed) == {1, 4}
     assert restore.one_save_on_every_node([], committed) == set()
+
+
+def _release_fifo(fifo, payload, until):
+    """Open ``fifo`` for writing once a reader waits on it, write ``payload``; False if no
+    reader came before ``until`` (time.monotonic())."""
+    while time.monotonic() < until:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:  # ENXIO: no reader yet
+            time.sleep(0.01)
+            continue
+        try:
+            os.write(fd, payload)
+        finally:
+            os.close(fd)
+        return True
+    return False
+
+
+@contextlib.contextmanager
+def commit_held_up(journal, pfs, step):
+    """Node 0's foreground drain of ``journal`` in a thread, while its commit of ``step``
+    is held up: it reads node 1's record of the step, here a FIFO nobody writes until
+    the block ends.  Yields the drain's exit statuses (one once it ended)."""
+    held = pfs / layout.step_dirname(step) / layout.node_record_name(1)
+    held.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(held)
+    exits = []
+    draining = threading.Thread(
+        target=lambda: exits.append(drain.run(journal, None, True, 60)), daemon=True
+    )
+    draining.start()
+    try:
+        yield exits
+    finally:
+        released = _release_fifo(held, b'{"time": 0.5}', time.monotonic() + 10)
+        draining.join(30)
+        while draining.is_alive() and _release_fifo(held, b"{}", time.monotonic() + 5):
+            draining.join(5)  # it read the FIFO again: let it through
+        held.unlink()
+    assert released and not draining.is_alive()
+
+
+def _wait_for(condition, seconds=20):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not condition():
+        time.sleep(0.01)
+    return condition()
+
+
+def test_the_next_checkpoint_is_copied_while_the_previous_one_finishes(tmp_path):
+    """Draining is a pipeline: step 8's bytes are copied while step 7's commit is held up."""
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    two_node_save(tmp_path / "bb", 8, 2.5)
+    pfs = tmp_path / "pfs"
+    (task8,) = [t for t in drain.pending(j0) if t.step == 8]
+    copy8 = files.temp_path(task8.target)
+    with commit_held_up(j0, pfs, 7) as exits:
+        copied = _wait_for(
+            lambda: copy8.exists() and copy8.stat().st_size == task8.source.stat().st_size
+        )
+        assert copied, "step 8 was not copied while step 7's commit was held up"
+        assert drain.read_manifest(pfs / layout.step_dirname(7)) is None
+    assert exits == [0]
+    assert drain.run(j1, None, finish=True, timeout=60) == 0
+    for step, when in ((7, 1.5), (8, 2.5)):
+        assert drain.read_manifest(pfs / layout.step_dirname(step))["time"] == when
+
+
+def test_the_status_says_copying_while_a_step_finishes_after_another_was_set_aside(tmp_path):
+    """Step 7's node file is damaged (set aside once copied), step 8's commit is held up:
+    meanwhile the drain reports step 8 in progress, not idle."""
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    two_node_save(tmp_path / "bb", 8, 2.5)
+    (task7,) = [t for t in drain.pending(j0) if t.step == 7]
+    task7.source.write_bytes(b"not an HDF5 file" * 100)
+    with commit_held_up(j0, tmp_path / "pfs", 8) as exits:
+        assert _wait_for(lambda: "7" in drain.read_status(j0).get("damaged", {}))
+        time.sleep(0.2)  # step 8 is still held
+        status = drain.read_status(j0)
+        assert (status["state"], status["step"]) == ("copying", 8), status
+    assert exits == [1]  # step 7 set aside: said
+    status = drain.read_status(j0)
+    assert (status["state"], status["error"]) == (drain.STOPPED, None), status

@@ -1,7 +1,8 @@
 """Suite ``checkpoint``: bbio's asynchronous checkpoints against h5py, DCP and raw limits.
 
 ``mpirun -n 4 python -m bbio.bench checkpoint [--quick] [--json FILE] [--pfs DIR]
-[--bb DIR] [--sizes 16MiB,64MiB] [--repeats N] [--systems ...] [--no-drop-caches]``
+[--bb DIR] [--sizes 16MiB,64MiB] [--repeats N] [--systems ...] [--stream N]
+[--no-drop-caches]``
 
 Every rank holds a state of ``--arrays`` (4) float32 arrays, equal parts of
 the per-rank size (16, 64 and 256 MiB; ``--quick``: 16 and 64 MiB); the ranks
@@ -22,6 +23,11 @@ one measurement that starts after a barrier:
 * ``bbio-fresh``: the same save by a second checkpointer with ``ckpt_recycle``
   off: each node's HDF5 file laid out collectively anew (a run's first saves,
   or every save with recycling off).
+* ``bbio-stream``: ``--stream`` (4) saves by ``bbio``'s checkpointer back to
+  back, then waited for: the seconds from the end of the first save to every one
+  committed (the later saves run meanwhile, as training would; a queued save
+  finds no spare, so it lays its file out anew).  What a queue of checkpoints
+  costs the drain, whose copy of one overlaps the finishing of the one before.
 * ``h5py-sync``: the baseline, a synchronous write of the same arrays straight
   to the PFS: one HDF5 file (h5py, driver ``mpio``, ``COMM_WORLD``), every
   rank's datasets created collectively, each rank writing its own; close, then
@@ -54,8 +60,8 @@ one measurement that starts after a barrier:
   byte count from its own arrays) while the other ranks wait.
 
 Derived, metric ``GB_per_s`` (10**9 bytes/s of state, all ranks): ``bbio-drain``
-= bytes / (``bbio-committed`` - ``bbio``) of the same save, ``pfs-write`` and
-``pfs-write-node``.
+= bytes / (``bbio-committed`` - ``bbio``) of the same save, ``bbio-drain-stream``
+= ``--stream`` x bytes / ``bbio-stream``, ``pfs-write`` and ``pfs-write-node``.
 
 Before measuring, one untimed round of every system at 1 MiB per rank warms
 up imports, MPI-IO, the drain processes and gloo; before each size, one
@@ -121,6 +127,7 @@ SYSTEMS = (
     "bb-write-fpp",
     "bbio",
     "bbio-fresh",
+    "bbio-stream",
     "h5py-bb",
     "h5py-sync",
     "dcp-async",
@@ -136,6 +143,7 @@ REPORTED = (
     "bbio",
     "bbio-committed",
     "bbio-fresh",
+    "bbio-stream",
     "h5py-bb",
     "h5py-sync",
     "dcp-async",
@@ -146,6 +154,7 @@ REPORTED = (
 COMMIT_TIMEOUT = 1800.0
 CKPT_NAME = "bench"
 KEEP_BB = 1
+STREAM_SAVES = 4
 
 
 def _sizes(text: str) -> list[int]:
@@ -178,6 +187,13 @@ def _arguments(parser: argparse.ArgumentParser) -> None:
         "--repeats", type=at_least(1), help="repetitions per size (default 5; --quick: 2)"
     )
     parser.add_argument("--arrays", type=at_least(1), default=len(KEYS), help="arrays per rank")
+    parser.add_argument(
+        "--stream",
+        type=at_least(2),
+        default=STREAM_SAVES,
+        metavar="N",
+        help=f"saves back to back in one measurement of bbio-stream (default {STREAM_SAVES})",
+    )
     parser.add_argument(
         "--systems",
         type=names(SYSTEMS),
@@ -271,6 +287,19 @@ def _max(comm, value: float) -> float:
     return float(comm.allreduce(value, op=MPI.MAX))
 
 
+def _into_the_burst_buffer(ck: Checkpointer, handle) -> None:
+    """Raise if ``handle``'s save did not go through the burst buffer (the numbers would
+    not measure it)."""
+    if handle.direct or handle.skipped:
+        raise UsageError(
+            f"the save of checkpointer {ck.name} went "
+            f"{'straight to the PFS' if handle.direct else 'skipped'}: "
+            "the numbers would not measure the burst buffer",
+            hint="give --bb a directory with room for more checkpoints of a node (four, "
+            "and bbio-stream's --stream more)",
+        )
+
+
 def _torch_status(comm, wanted: bool) -> tuple[bool, str]:
     """Collective: (whether every rank can import torch, its version or why not)."""
     if not wanted:
@@ -332,7 +361,7 @@ class CheckpointBench:
             for sub in ("raw", "h5py", "dcp"):
                 (self.pfs / sub).mkdir(parents=True, exist_ok=True)
         self.comm.Barrier()
-        if "bbio" in self.args.systems:
+        if {"bbio", "bbio-stream"} & set(self.args.systems):
             self.ck = Checkpointer(
                 self.comm, CKPT_NAME, keep_bb=KEEP_BB, keep_pfs=1_000_000, config=self.config
             )
@@ -509,15 +538,9 @@ class CheckpointBench:
         blocking = time.perf_counter() - start
         handle.wait(COMMIT_TIMEOUT)
         committed = time.perf_counter() - start
-        if handle.direct or handle.skipped:
-            raise UsageError(
-                f"the save of checkpointer {ck.name} went "
-                f"{'straight to the PFS' if handle.direct else 'skipped'}: "
-                "the numbers would not measure the burst buffer",
-                hint="give --bb a directory with room for four checkpoints of a node",
-            )
+        _into_the_burst_buffer(ck, handle)
         result = _max(comm, blocking), _max(comm, committed)
-        self._settle(ck, self.step)
+        self._settle(ck, [self.step])
         return result
 
     def bbio(self, state: dict[str, np.ndarray]) -> dict[str, float]:
@@ -529,10 +552,32 @@ class CheckpointBench:
         assert self.ck_fresh is not None
         return {"bbio-fresh": self._save(self.ck_fresh, state)[0]}
 
-    def _settle(self, ck: Checkpointer, step: int) -> None:
+    def bbio_stream(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        """``--stream`` saves by ``bbio``'s checkpointer back to back, then waited for:
+        seconds from the end of the first save to every one committed."""
+        ck = self.ck
+        assert ck is not None
+        comm = self.comm
+        steps = [self.step + 1 + i for i in range(self.args.stream)]
+        self.step = steps[-1]
+        comm.Barrier()
+        start = time.perf_counter()
+        handles = [ck.save(step, state) for step in steps[:1]]
+        first = time.perf_counter() - start
+        handles += [ck.save(step, state) for step in steps[1:]]
+        for handle in handles:
+            handle.wait(COMMIT_TIMEOUT)
+        committed = time.perf_counter() - start
+        for handle in handles:
+            _into_the_burst_buffer(ck, handle)
+        seconds = _max(comm, committed) - _max(comm, first)
+        self._settle(ck, steps)
+        return {"bbio-stream": seconds}
+
+    def _settle(self, ck: Checkpointer, steps: list[int]) -> None:
         """Collective, untimed: wait until ``ck``'s drains are idle and have trimmed its
         burst buffers to ``KEEP_BB`` checkpoints (the older file is the spare, or gone),
-        then delete ``step`` on the PFS."""
+        then delete ``steps`` on the PFS."""
         if self.leader:
             deadline = time.monotonic() + COMMIT_TIMEOUT
             while time.monotonic() < deadline and (
@@ -541,7 +586,8 @@ class CheckpointBench:
                 time.sleep(0.01)
         idle_barrier(self.comm)  # a trim needs the step committed: removed only after
         if self.rank == 0:
-            _remove(ck.pfs_dir / layout.step_dirname(step))
+            for step in steps:
+                _remove(ck.pfs_dir / layout.step_dirname(step))
         idle_barrier(self.comm)
 
     def dcp_async(self, state: dict[str, np.ndarray]) -> dict[str, float]:
@@ -579,6 +625,7 @@ class CheckpointBench:
             "bb-write-fpp": self.bb_write_fpp,
             "bbio": self.bbio,
             "bbio-fresh": self.bbio_fresh,
+            "bbio-stream": self.bbio_stream,
             "h5py-sync": self.h5py_sync,
             "h5py-bb": self.h5py_bb,
             "dcp-async": self.dcp_async,
@@ -608,6 +655,15 @@ class CheckpointBench:
         if "bbio" in seconds:
             drain_seconds = seconds["bbio-committed"] - seconds["bbio"]
             add(case, "bbio-drain", "GB_per_s", "GB/s", gb_per_s(total_bytes, drain_seconds))
+        if "bbio-stream" in seconds:
+            streamed = total_bytes * self.args.stream
+            add(
+                case,
+                "bbio-drain-stream",
+                "GB_per_s",
+                "GB/s",
+                gb_per_s(streamed, seconds["bbio-stream"]),
+            )
         for system in ("pfs-write", "pfs-write-node"):
             if system in seconds:
                 add(case, system, "GB_per_s", "GB/s", gb_per_s(total_bytes, seconds[system]))

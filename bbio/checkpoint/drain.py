@@ -59,6 +59,7 @@ import select
 import socket
 import stat
 import sys
+import threading
 import time
 from collections.abc import Iterable
 from concurrent import futures
@@ -261,6 +262,12 @@ class _Waker(_Fifo):
         except OSError:  # a file system without FIFOs: the polling alone finds tasks
             return
 
+    def ring(self) -> None:
+        """End the drain's pause now (or its next one), from any of its threads."""
+        if self.fd is not None:
+            with contextlib.suppress(OSError):  # full: a wake-up is pending anyway
+                os.write(self.fd, b"!")
+
 
 class StatusWaiter(_Fifo):
     """A waiting process's FIFO in the journal's ``waiters`` directory: the drain writes
@@ -392,12 +399,10 @@ def read_manifest(step_dir: Path) -> dict[str, Any] | None:
 # ------------------------------------------------------------------ copying
 
 
-def copy_node_file(task: Task) -> dict[str, Any] | None:
-    """Copy one node file to the PFS, verify it, record it on both sides.  Idempotent.
-
-    Returns the node's record, or None if the step was saved again since the
-    task was queued (its new task copies the new file).
-    """
+def start_copy(task: Task) -> NodeCopy | None:
+    """Copy ``task``'s node file to its temporary name on the PFS (not yet durable):
+    the copy to finish, or None if the step was saved again since the task was queued.
+    A copy drained before (a replay) is not copied again."""
     record_path = Path(task.pfs_step_dir) / layout.node_record_name(task.node)
     bb_record_path = Path(task.bb_step_dir) / layout.node_record_name(task.node)
     bb_record = files.read_json(bb_record_path) or {}
@@ -411,53 +416,96 @@ def copy_node_file(task: Task) -> dict[str, Any] | None:
             and existing.get("crc32c") == bb_record["crc32c"]
             and task.target.exists()
         ):
-            return existing
+            return NodeCopy(task, bb_record, drained=existing)
     Path(task.pfs_step_dir).mkdir(parents=True, exist_ok=True)
-    temp, record_temp = files.temp_path(task.target), files.temp_path(record_path)
+    copying = NodeCopy(task, bb_record)
     try:
-        record = _copy_verified(task, temp, record_path, bb_record_path)
+        copying.copy()
     except BaseException:
-        _discard(temp, record_temp)  # a retry copies again; a withdrawn save leaves nothing
+        copying.abandon()  # a retry copies again; a withdrawn save leaves nothing
         raise
-    if record is None:
-        _discard(temp, record_temp)
-        return None
-    files.write_json_atomic(bb_record_path, {**bb_record, **record, "complete": True})
-    return record
+    return copying
 
 
-def _copy_verified(
-    task: Task, temp: Path, record_path: Path, bb_record_path: Path
-) -> dict[str, Any] | None:
-    """Copy ``task``'s node file to ``temp``, flush it and read it back, write its PFS
-    record meanwhile, and rename both into place: the record, or None if the file was
-    saved again meanwhile (nothing renamed).  Leaves its temporary files to the caller."""
-    # The commit needs the description (then it reads nothing on the PFS).  It is
-    # read from the BB copy by a thread while the bytes are copied, started once
-    # the copy opened the file: a file saved again before it is read shows the new
-    # save's time, never the old (one saved later, a new BB record, read again
-    # before the renames).  Started earlier, it would hold the interpreter while
-    # the copy is set up; after the copy, while the flush starts.  The record is
-    # written during the flush, under its temporary name, and renamed after the
-    # node file once both are durable and the copy reads back right.
-    with ThreadPoolExecutor(1) as pool:
-        described: list[futures.Future] = []
+class NodeCopy:
+    """A node file's copy on the PFS, from :func:`start_copy` to :meth:`finish`.
+
+    The commit needs the node file's description (then it reads nothing on the
+    PFS).  A thread reads it from the BB copy while the bytes are copied,
+    started once the copy opened the file: a file saved again before it is read
+    shows the new save's time, never the old (one saved later, a new BB record,
+    read again before the renames).  Started earlier, it would hold the
+    interpreter while the copy is set up; after the copy, while the flush
+    starts.  The PFS record is written during the flush, under its temporary
+    name, and renamed after the node file once both are durable and the copy
+    reads back right.
+    """
+
+    def __init__(
+        self, task: Task, bb_record: dict[str, Any], drained: dict[str, Any] | None = None
+    ) -> None:
+        self.task, self.bb_record, self.drained = task, bb_record, drained
+        self.record_path = Path(task.pfs_step_dir) / layout.node_record_name(task.node)
+        self.bb_record_path = Path(task.bb_step_dir) / layout.node_record_name(task.node)
+        self.temp = files.temp_path(task.target)
+        self.record_temp = files.temp_path(self.record_path)
+        self.pool = ThreadPoolExecutor(1)
+        self.described: list[futures.Future] = []
+        self.copied: _native.CopyResult | None = None
+
+    def copy(self) -> None:
+        """Copy the bytes to the temporary name, describing the file meanwhile."""
 
         def describe_meanwhile() -> None:
-            described.append(pool.submit(describe_node_file, task.source, task.node))
+            self.described.append(
+                self.pool.submit(describe_node_file, self.task.source, self.task.node)
+            )
 
-        result = _native.copy_file(
-            task.source, temp, checksum=True, sequential=True, on_open=describe_meanwhile
+        self.copied = _native.copy_file(
+            self.task.source,
+            self.temp,
+            checksum=True,
+            sequential=True,
+            on_open=describe_meanwhile,
         )
-        preparing = pool.submit(_prepare_record, task, record_path, result, described[0])
+
+    def abandon(self) -> None:
+        """Give the copy up: its temporary files are deleted."""
+        self.pool.shutdown()
+        _discard(self.temp, self.record_temp)
+
+    def finish(self) -> dict[str, Any] | None:
+        """Flush the copy, read it back, write the PFS record meanwhile, and rename both
+        into place; record it on the BB: the node's record, or None if the file was saved
+        again meanwhile (nothing renamed).  Not collective."""
+        if self.drained is not None:
+            return self.drained
         try:
-            size, crc = _seal_reading_back(temp, task)
+            record = self._seal()
+        except BaseException:
+            self.abandon()
+            raise
+        if record is None:
+            self.abandon()
+            return None
+        self.pool.shutdown()
+        files.write_json_atomic(self.bb_record_path, {**self.bb_record, **record, "complete": True})
+        return record
+
+    def _seal(self) -> dict[str, Any] | None:
+        task, copied = self.task, self.copied
+        assert copied is not None, "finish() before copy()"
+        preparing = self.pool.submit(
+            _prepare_record, task, self.record_path, copied, self.described[0]
+        )
+        try:
+            size, crc = _seal_reading_back(self.temp, task)
         finally:
             futures.wait([preparing])  # its temporary record is written, or never will be
         try:
             record, contents = preparing.result()
         except (OSError, KeyError, ValueError, TypeError, IntegrityError) as exc:
-            now = files.read_json(bb_record_path)
+            now = files.read_json(self.bb_record_path)
             if now is None or not task.is_save_of(now) or not task.source.exists():
                 return None  # saved again or dropped meanwhile: not this save's file
             if isinstance(exc, OSError) and exc.errno is not None:
@@ -468,18 +516,18 @@ def _copy_verified(
                 hint="it is damaged: this save cannot be drained (it is set aside; later "
                 "ones are drained); a restore passes over it",
             ) from None
-    if size != result.nbytes or crc != result.crc32c:
-        raise IntegrityError(
-            f"the copy reads back as {size} bytes, CRC32C {crc:08x}; "
-            f"{result.nbytes} bytes, {result.crc32c:08x} were written",
-            path=task.target,
-            hint="the PFS may be failing; the drain will copy it again",
-        )
-    now = files.read_json(bb_record_path)
-    if not task.is_save_of(contents) or now is None or not task.is_save_of(now):
-        return None  # saved again during the copy: never renamed over the new save's file
-    files.commit([], sealed=[task.target, record_path])  # the file first, then its record
-    return record
+        if size != copied.nbytes or crc != copied.crc32c:
+            raise IntegrityError(
+                f"the copy reads back as {size} bytes, CRC32C {crc:08x}; "
+                f"{copied.nbytes} bytes, {copied.crc32c:08x} were written",
+                path=task.target,
+                hint="the PFS may be failing; the drain will copy it again",
+            )
+        now = files.read_json(self.bb_record_path)
+        if not task.is_save_of(contents) or now is None or not task.is_save_of(now):
+            return None  # saved again during the copy: never renamed over the new save's file
+        files.commit([], sealed=[task.target, self.record_path])  # the file, then its record
+        return record
 
 
 def _prepare_record(
@@ -853,36 +901,43 @@ def _trim_after(journal: Path, task: Task, recycle: bool = True) -> bool:
         return True
 
 
-def _process(journal: Path, task: Task, commits: _Commits) -> bool:
-    """Drain ``task``; True if BB copies are left to trim once other nodes commit.
-
-    The commit is reported (``commits.settle``) before the task leaves the
-    journal, so that :func:`step_committed` always finds the step in one of
-    them.  A task whose step was saved again meanwhile is left to its new task.
-    """
+def _begin(journal: Path, task: Task) -> NodeCopy | None:
+    """The first half of draining ``task``: its checks and the copy of its bytes (see
+    :func:`start_copy`).  None if there is nothing to finish (done before, set aside,
+    withdrawn, or saved again: its new task copies the new file); the caller reports
+    it."""
     bb_record = Path(task.bb_step_dir) / layout.node_record_name(task.node)
     if not task.source.exists() and files.read_json(bb_record) is None:
         if committed_save(Path(task.pfs_step_dir), task.save_time):
             _remove_task(journal, task)  # drained and committed before a crash: done
-            return False
+            return None
         queued = files.read_json(task_path(journal, task.step)) or {}
         if queued.get("save_time") != task.save_time:
-            commits.report()  # no longer copying it
-            return False  # the save was withdrawn (it failed) or replaced: not damage
+            return None  # the save was withdrawn (it failed) or replaced: not damage
         gone = f"its burst-buffer copy is gone (no {task.source} nor its record)"
         _set_aside(journal, task, gone)  # never drainable; said, not retried for ever
-        commits.report()  # to the waiting ranks
-        return False
+        return None
     elsewhere = damaged_save(Path(task.pfs_step_dir), task.save_time)
     if elsewhere is not None:  # another node's file of this save is damaged: never commits
         _set_aside(journal, task, str(elsewhere.get("why")), elsewhere.get("node"))
-        commits.report()
-        return False
-    if copy_node_file(task) is None:
-        queued = files.read_json(task_path(journal, task.step)) or {}
-        if queued.get("save_time") == task.save_time:  # not saved again: it never will copy
-            _set_aside(journal, task, "its burst-buffer copy is not of the queued save")
-            commits.report()
+        return None
+    copying = start_copy(task)
+    if copying is None:
+        _not_copied(journal, task)
+    return copying
+
+
+def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -> bool:
+    """The second half of draining ``task``: make its copy durable, verify and rename it,
+    commit the checkpoint if this node is the last, apply retention.  True if BB copies
+    are left to trim once other nodes commit.
+
+    The commit is reported (``commits.settle``) before the task leaves the
+    journal, so that :func:`step_committed` always finds the step in one of
+    them.
+    """
+    if copying.finish() is None:
+        _not_copied(journal, task)
         return False
     set_aside_path(journal, task.step).unlink(missing_ok=True)  # of an earlier save, if any
     committed = try_commit(Path(task.pfs_step_dir), task.nodes)
@@ -891,6 +946,14 @@ def _process(journal: Path, task: Task, commits: _Commits) -> bool:
     if committed:
         apply_pfs_retention(Path(task.pfs_step_dir).parent, task.keep_pfs)
     return _trim_after(journal, task)
+
+
+def _not_copied(journal: Path, task: Task) -> None:
+    """``task``'s file was not copied because it is not of the task's save: saved again
+    (its new task copies it), or, if the queued save is still this one, never will be."""
+    queued = files.read_json(task_path(journal, task.step)) or {}
+    if queued.get("save_time") == task.save_time:  # not saved again: it never will copy
+        _set_aside(journal, task, "its burst-buffer copy is not of the queued save")
 
 
 def _remove_task(journal: Path, task: Task) -> None:
@@ -919,78 +982,118 @@ class _Commits:
     ``committed``: recent steps seen committed; ``awaiting``: steps this node
     drained whose commit waits on other nodes; ``failures``: tasks (by step and
     save) waiting to be tried again, the latest one's error reported until it
-    succeeds.  :meth:`look` polls the PFS for
+    succeeds; ``busy``: the tasks being drained (copied, or finished in the
+    background), each with its previous failure; ``rest``: the state when none
+    is (idle, retrying a step, stopped).
+    :meth:`look` polls the PFS for
     the awaited ones: the one poller per node.  Its pauses last a tenth of the
     time awaited so far, from 5 ms up to 50 ms, so a commit is seen at most
     about a tenth later than it happened, and a long wait costs the PFS 20
-    looks a second.
+    looks a second.  The drain's loop and its finishing thread share it: every
+    method, and the loop's changes to ``failures``, hold ``lock``.
     """
 
     def __init__(self, journal: Path) -> None:
         self.journal = journal
+        self.lock = threading.RLock()
+        self.busy: dict[int, tuple[Task, _Failure | None]] = {}
+        self.rest: dict[str, Any] = {"state": "idle"}
         self.awaiting: dict[int, Task] = {}
         self.committed: list[int] = []
         self.failures: dict[tuple[int, float | None], _Failure] = {}
         self.damaged_elsewhere: dict[int, dict[str, Any]] = {}  # awaited, set aside by a node
         self.since = self.next_look = 0.0
 
-    def report(self, **status: Any) -> None:
-        """Write the status: ``state`` (default idle), ``error`` and ``retries`` (default:
-        of the latest failure still to retry), the steps failing, the steps set aside as
-        damaged (with why) and the commits."""
-        latest = max(self.failures.values(), key=lambda f: f.retry_at - f.backoff, default=None)
-        trouble = {"error": latest.message, "retries": latest.count} if latest else {}
-        damaged = {**self.damaged_elsewhere, **set_aside(self.journal)}
-        _write_status(
-            self.journal,
-            awaiting=sorted(self.awaiting),
-            committed=self.committed,
-            failing=sorted({step for step, _ in self.failures}),
-            damaged={str(step): damaged[step] for step in sorted(damaged)},
-            **{"state": "idle", "error": None, "retries": 0, **trouble, **status},
-        )
+    def report(self, **rest: Any) -> None:
+        """Write the status.  ``state``: "copying" while a task is drained (``step``: the
+        latest begun, with ``error`` and ``retries`` of its previous try), else the
+        ``rest`` state (when given, it replaces the last one); ``error`` and ``retries``
+        otherwise of the latest failure still to retry; the steps failing, the steps
+        set aside as damaged (with why) and the commits."""
+        with self.lock:
+            if rest:
+                self.rest = rest
+            latest = max(self.failures.values(), key=lambda f: f.retry_at - f.backoff, default=None)
+            trouble = {"error": latest.message, "retries": latest.count} if latest else {}
+            activity = self.rest
+            if self.busy:
+                task, failure = list(self.busy.values())[-1]
+                retried = {"retries": failure.count, "error": failure.message} if failure else {}
+                activity = {"state": "copying", "step": task.step, **retried}
+            damaged = {**self.damaged_elsewhere, **set_aside(self.journal)}
+            _write_status(
+                self.journal,
+                awaiting=sorted(self.awaiting),
+                committed=self.committed,
+                failing=sorted({step for step, _ in self.failures}),
+                damaged={str(step): damaged[step] for step in sorted(damaged)},
+                **{"error": None, "retries": 0, **trouble, **activity},
+            )
+
+    def begin(self, task: Task, failure: _Failure | None) -> None:
+        """The drain takes ``task`` (``failure``: of its previous try, if any)."""
+        with self.lock:
+            self.busy[task.step] = (task, failure)
+            self.report()
+
+    def end(self, task: Task, **rest: Any) -> None:
+        """``task`` is done with (drained, failed, set aside or dropped); ``rest``: the
+        state to report once no task is busy (default idle)."""
+        with self.lock:
+            self.busy.pop(task.step, None)
+            self.report(**(rest or {"state": "idle"}))
 
     def settle(self, task: Task, done: bool) -> None:
         """``task`` is drained: its step is committed (``done``) or awaits other nodes."""
-        self._forget(task.step)
-        self.damaged_elsewhere.pop(task.step, None)  # of an earlier save of the step
-        if done:
-            self._add(task.step)
-        else:
-            self.awaiting[task.step] = task
-        self.report()
+        with self.lock:
+            self._forget(task.step)
+            self.damaged_elsewhere.pop(task.step, None)  # of an earlier save of the step
+            if done:
+                self._add(task.step)
+            else:
+                self.awaiting[task.step] = task
+            self.report()
 
     def look(self) -> None:
         """Poll the PFS for the awaited steps, if the pause since the last look is over."""
         now = time.monotonic()
-        if not self.awaiting or now < self.next_look:
-            return
-        seen = [step for step, task in self.awaiting.items() if _is_committed(task)]
-        for step in seen:
-            self._forget(step)
-            self._add(step)
-        for step, task in list(self.awaiting.items()):
-            marker = damaged_save(Path(task.pfs_step_dir), task.save_time)
-            if marker is not None:  # another node's file of this save is damaged
+        with self.lock:
+            if not self.awaiting or now < self.next_look:
+                return
+            awaited = dict(self.awaiting)
+        seen = {step for step, task in awaited.items() if _is_committed(task)}
+        damaged = {
+            step: marker
+            for step, task in awaited.items()
+            if step not in seen
+            and (marker := damaged_save(Path(task.pfs_step_dir), task.save_time)) is not None
+        }  # another node's file of this save is damaged
+        with self.lock:
+            still = {step for step, task in self.awaiting.items() if awaited.get(step) is task}
+            for step in seen & still:
                 self._forget(step)
-                self.damaged_elsewhere[step] = marker
-                seen.append(step)
-        if seen:
-            self.since = now
-            self.report()
-        pause = AWAIT_POLL_SHARE * (now - self.since)
-        self.next_look = now + min(max(pause, AWAIT_POLL_SECONDS[0]), AWAIT_POLL_SECONDS[1])
+                self._add(step)
+            for step in damaged.keys() & still:
+                self._forget(step)
+                self.damaged_elsewhere[step] = damaged[step]
+            if (seen | damaged.keys()) & still:
+                self.since = now
+                self.report()
+            pause = AWAIT_POLL_SHARE * (now - self.since)
+            self.next_look = now + min(max(pause, AWAIT_POLL_SECONDS[0]), AWAIT_POLL_SECONDS[1])
 
     def until_next_look(self) -> float:
         """Seconds until :meth:`look` has something to do (inf when nothing is awaited)."""
-        if not self.awaiting:
-            return float("inf")
-        return max(self.next_look - time.monotonic(), 0.0)
+        with self.lock:
+            if not self.awaiting:
+                return float("inf")
+            return max(self.next_look - time.monotonic(), 0.0)
 
     def restart_looking(self) -> None:
         """Look again soon (a task was just drained)."""
-        self.since = time.monotonic()
-        self.next_look = self.since + AWAIT_POLL_SECONDS[0]
+        with self.lock:
+            self.since = time.monotonic()
+            self.next_look = self.since + AWAIT_POLL_SECONDS[0]
 
     def _forget(self, step: int) -> None:
         self.awaiting.pop(step, None)
@@ -1089,80 +1192,149 @@ def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) 
         os.close(lock_fd)  # releases the lock
 
 
+@dataclasses.dataclass
+class _Finishing:
+    """A task whose copy is being finished (:func:`_complete`) in the background."""
+
+    task: Task
+    failure: _Failure | None
+    outcome: futures.Future
+
+
 def _drain(
     journal: Path, parent: int | None, finish: bool, deadline: float | None, waker: _Waker
 ) -> int:
     """The drain's loop: tasks in step order; one that fails is tried again after a
-    backoff (1 s, doubling up to 30 s) while the others go on."""
+    backoff (1 s, doubling up to 30 s) while the others go on.
+
+    Draining is a pipeline of two: while a thread finishes a task (the flush, the
+    read-back, the renames and the commit, mostly waiting on the PFS), the loop
+    copies the next task's bytes (mostly CPU), so a queue of checkpoints drains
+    at the rate of the slower half, not of both in a row.  Never two tasks of
+    one step at once, and the loop waits for the finishing task before it finishes
+    another, before it idles and before it leaves.
+    """
     untrimmed: Task | None = None  # the last task drained, while copies wait to be trimmed
     trimmed_at = announced_at = 0.0
     announced: set[tuple[int, float | None]] = set()  # saves set aside, their PFS marker there
     commits = _Commits(journal)
     failures = commits.failures
-    commits.report()
-    while True:
-        commits.look()
-        if time.monotonic() - announced_at > IDLE_TRIM_SECONDS:  # busy or not
-            _announce_set_aside(journal, announced)
-            announced_at = time.monotonic()
-        tasks = pending(journal)
-        for gone in set(failures) - {_task_key(t) for t in tasks}:
-            del failures[gone]  # removed, or saved again: a new task
-        if not tasks:
-            now = time.monotonic()
-            if untrimmed is not None and now - trimmed_at > IDLE_TRIM_SECONDS:
-                if not _trim_after(journal, untrimmed):  # other nodes may have committed since
-                    untrimmed = None
-                trimmed_at = now
-            if finish or (journal / STOP).exists() or not _process_alive(parent):
-                _announce_set_aside(journal, announced)  # a last try before leaving
-                if untrimmed is not None:
-                    _trim_after(journal, untrimmed, recycle=False)
-                with contextlib.suppress(BBIOError):  # no save will come to reuse them
-                    drop_spares(journal.parent)
-                commits.report(state=STOPPED)
-                aside = set_aside(journal) if finish else {}
-                for step, marker in sorted(aside.items()):
-                    print(
-                        f"bbio drain: step {step} set aside: {marker.get('why')}", file=sys.stderr
-                    )
-                return 1 if aside else 0
-            waker.pause(min(POLL_SECONDS, max(commits.until_next_look(), 0.001)))
-            continue
-        now = time.monotonic()
-        ready = [t for t in tasks if now >= getattr(failures.get(_task_key(t)), "retry_at", 0)]
-        if not ready:  # every task waits for its next try
-            soonest = min(failures[_task_key(t)].retry_at for t in tasks)
-            if deadline is not None and soonest > deadline:
-                _announce_set_aside(journal, announced)
-                return 1
-            until = min(soonest - now, commits.until_next_look())
-            waker.pause(min(POLL_SECONDS, max(until, 0.001)))
-            continue
-        task = ready[0]
-        failure = failures.pop(_task_key(task), None)
-        try:
-            retrying = {"retries": failure.count, "error": failure.message} if failure else {}
-            commits.report(state="copying", step=task.step, **retrying)
-            untrimmed = task if _process(journal, task, commits) else None
-            trimmed_at = time.monotonic()
-            commits.restart_looking()
-        except DamagedNodeFile as exc:  # never drainable: set aside, not retried
+    finishing: _Finishing | None = None
+
+    def failed(task: Task, failure: _Failure | None, exc: Exception) -> None:
+        """``task`` failed: set aside if it never can be drained, else tried again later."""
+        if isinstance(exc, DamagedNodeFile):  # never drainable: set aside, not retried
             _set_aside(journal, task, str(exc))
-            commits.report(state="idle")
+            commits.end(task)
             print(f"bbio drain: {exc} (set aside, not retried)", file=sys.stderr)
-        except Exception as exc:  # the drain outlives any one failure, and says why
-            count = failure.count + 1 if failure else 1
-            backoff = min(failure.backoff * 2, MAX_BACKOFF_SECONDS) if failure else 1.0
-            message = _describe_failure(exc, task)
+            return
+        count = failure.count + 1 if failure else 1
+        backoff = min(failure.backoff * 2, MAX_BACKOFF_SECONDS) if failure else 1.0
+        message = _describe_failure(exc, task)
+        with commits.lock:
             failures[_task_key(task)] = _Failure(
                 count, backoff, time.monotonic() + backoff, message
             )
-            commits.report(state="retrying", step=task.step)
-            print(f"bbio drain: {message} (retry {count} in {backoff:.0f} s)", file=sys.stderr)
-        if deadline is not None and time.monotonic() > deadline:
-            _announce_set_aside(journal, announced)
-            return 1
+        commits.end(task, state="retrying", step=task.step)
+        print(f"bbio drain: {message} (retry {count} in {backoff:.0f} s)", file=sys.stderr)
+
+    def finished() -> None:
+        """Wait for the finishing task, if any, and take its outcome: copies left to trim,
+        or its failure."""
+        nonlocal finishing, untrimmed, trimmed_at
+        if finishing is None:
+            return
+        task, failure, outcome = finishing.task, finishing.failure, finishing.outcome
+        finishing = None
+        try:
+            untrimmed = task if outcome.result() else None
+        except Exception as exc:  # the drain outlives any one failure, and says why
+            failed(task, failure, exc)
+        else:
+            trimmed_at = time.monotonic()
+            commits.restart_looking()
+            commits.end(task)
+
+    commits.report()
+    with ThreadPoolExecutor(1, thread_name_prefix="bbio-drain-finish") as finisher:
+        while True:
+            if finishing is not None and finishing.outcome.done():
+                finished()
+            commits.look()
+            if time.monotonic() - announced_at > IDLE_TRIM_SECONDS:  # busy or not
+                _announce_set_aside(journal, announced)
+                announced_at = time.monotonic()
+            tasks = pending(journal)
+            with commits.lock:
+                for gone in set(failures) - {_task_key(t) for t in tasks}:
+                    del failures[gone]  # removed, or saved again: a new task
+            if finishing is not None:
+                tasks = [t for t in tasks if t.step != finishing.task.step]
+            now = time.monotonic()
+            ready = [t for t in tasks if now >= getattr(failures.get(_task_key(t)), "retry_at", 0)]
+            if not ready and finishing is not None:  # until it is done, or a task comes
+                if finishing.outcome.done():
+                    finished()
+                else:
+                    waker.pause(min(POLL_SECONDS, max(commits.until_next_look(), 0.001)))
+                continue
+            if not tasks:
+                now = time.monotonic()
+                if untrimmed is not None and now - trimmed_at > IDLE_TRIM_SECONDS:
+                    if not _trim_after(journal, untrimmed):  # other nodes may have committed
+                        untrimmed = None
+                    trimmed_at = now
+                if finish or (journal / STOP).exists() or not _process_alive(parent):
+                    _announce_set_aside(journal, announced)  # a last try before leaving
+                    if untrimmed is not None:
+                        _trim_after(journal, untrimmed, recycle=False)
+                    with contextlib.suppress(BBIOError):  # no save will come to reuse them
+                        drop_spares(journal.parent)
+                    commits.report(state=STOPPED)
+                    aside = set_aside(journal) if finish else {}
+                    for step, marker in sorted(aside.items()):
+                        print(
+                            f"bbio drain: step {step} set aside: {marker.get('why')}",
+                            file=sys.stderr,
+                        )
+                    return 1 if aside else 0
+                waker.pause(min(POLL_SECONDS, max(commits.until_next_look(), 0.001)))
+                continue
+            if not ready:  # every task waits for its next try
+                soonest = min(failures[_task_key(t)].retry_at for t in tasks)
+                if deadline is not None and soonest > deadline:
+                    _announce_set_aside(journal, announced)
+                    return 1
+                until = min(soonest - now, commits.until_next_look())
+                waker.pause(min(POLL_SECONDS, max(until, 0.001)))
+                continue
+            task = ready[0]
+            with commits.lock:
+                failure = failures.pop(_task_key(task), None)
+            commits.begin(task, failure)
+            try:
+                copying = _begin(journal, task)
+            except Exception as exc:  # the drain outlives any one failure, and says why
+                copying = None
+                failed(task, failure, exc)
+            else:
+                if copying is None:  # nothing to finish
+                    untrimmed, trimmed_at = None, time.monotonic()
+                    commits.end(task)
+            try:
+                finished()  # one task finishing at a time
+            except BaseException:  # interrupted: the copy is not handed on
+                if copying is not None:
+                    copying.abandon()
+                raise
+            if copying is not None:
+                outcome = finisher.submit(_complete, journal, task, commits, copying)
+                outcome.add_done_callback(lambda _: waker.ring())
+                finishing = _Finishing(task, failure, outcome)
+            if deadline is not None and time.monotonic() > deadline:
+                finished()
+                _announce_set_aside(journal, announced)
+                return 1
 
 
 def _set_aside(journal: Path, task: Task, why: str, node: int | None = None) -> None:
