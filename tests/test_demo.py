@@ -79,6 +79,41 @@ def test_demo_with_its_burst_buffer_elsewhere_and_an_epilog_launcher(tmp_path):
     assert any(f"ckpt drain --finish --bb-root {expanded} " in line for line in ran), ran
 
 
+DETACHED_LAUNCHER = Path(__file__).with_name("detached_launcher.py")
+
+
+def _demo_with_detached_ranks(root: Path, *launcher_options: str):
+    """The demo run by a launcher whose ranks are not its children, as srun's; then
+    whatever of it still runs is killed."""
+    launcher = shlex.join([sys.executable, str(DETACHED_LAUNCHER), *launcher_options])
+    try:
+        return run_python(
+            "-m", "bbio.demo", "--root", str(root), "--launcher", launcher, *SMALL, timeout=600
+        )
+    finally:
+        for pid in _processes_naming(str(root)):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(900)
+def test_the_kill_reaches_ranks_that_are_not_the_launchers_children(tmp_path):
+    """srun's tasks are not its children: the driver kills them through the launcher."""
+    root = tmp_path / "demo"
+    result = _demo_with_detached_ranks(root)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "job killed while step" in out and "RESULT: all checks passed" in out
+    assert not (root / "results" / "train.json").exists()  # the killed job never finished
+
+
+@pytest.mark.timeout(900)
+def test_a_launcher_that_does_not_pass_the_kill_on_fails_the_demo(tmp_path):
+    result = _demo_with_detached_ranks(tmp_path / "demo", "--no-forward")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "after it was killed" in result.stderr and "did not pass SIGUSR2" in result.stderr
+    assert "all checks passed" not in result.stdout
+
+
 def test_an_epilog_launcher_needs_a_burst_buffer_without_node(tmp_path):
     result = run_python(
         "-m", "bbio.demo", "--root", str(tmp_path), "--epilog-launcher", "srun", timeout=60

@@ -7,8 +7,9 @@ nodes, a "PFS" and per-node "BB" directories under ``work/demo``.
 1. prepare: generate a dataset, pack it, stage it into every node's BB
    (replicate, verified), read an epoch through ``bbio.Loader`` against plain
    per-rank reads;
-2. train with asynchronous checkpoints, and kill the job (its ranks and its
-   drain processes, as Slurm would) while a checkpoint is being drained;
+2. train with asynchronous checkpoints, and kill the job (its ranks, through
+   SIGUSR2 to the launcher, which passes it on, and its drain processes, as a
+   node failure would) while a checkpoint is being drained;
 3. finish the drain as a Slurm epilog would: ``bbio ckpt drain --finish`` on
    every node;
 4. restart: restore the newest complete checkpoint, check the state is
@@ -44,9 +45,11 @@ from typing import NoReturn
 from bbio.checkpoint import drain, layout
 from bbio.checkpoint.restore import bb_copies
 from bbio.config import Config
-from bbio.demo.job import CHECKPOINTER, demo_config
+from bbio.demo.job import CHECKPOINTER, TRAIN_LOG, demo_config
 from bbio.errors import BBIOError, UsageError
 from bbio.report import format_bytes, format_table
+
+LAUNCHER_EXIT_SECONDS = 30.0  # after the kill, for the launcher to see its ranks end
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -80,6 +83,11 @@ class Places:
     pfs: Path  # the checkpointer's directory on the PFS
     bbs: list[Path]  # the burst buffers (node directories) on this host
     nodes: int  # the job's node count
+
+    @property
+    def train_log(self) -> Path:
+        """The training log the ranks append to (one line per save)."""
+        return self.pfs.parent.parent / TRAIN_LOG
 
     @classmethod
     def of(cls, config: Config, nodes: int) -> Places:
@@ -225,6 +233,50 @@ def _kill_tree(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
+def _crash(job: subprocess.Popen, places: Places) -> None:
+    """Kill the training job and its drains at once, as a node failure would.
+
+    The launcher gets SIGUSR2 and passes it on to every rank on every node
+    (``srun`` and Open MPI's ``mpirun`` do), whose default action ends a rank at
+    once, as SIGKILL would; killing the launcher instead would leave ``srun``'s
+    ranks running (they are not its children).  The drains are SIGKILLed
+    meanwhile.  Once the launcher has ended (or after
+    ``LAUNCHER_EXIT_SECONDS``), what still runs below it, or ran below it when
+    the signal was sent (a launcher that does not pass it on dies of it and
+    leaves its ranks to init), is SIGKILLed.
+    """
+    below = _descendants(job.pid)
+    with contextlib.suppress(ProcessLookupError):
+        job.send_signal(signal.SIGUSR2)
+    _kill_drains(places)
+    try:
+        job.wait(LAUNCHER_EXIT_SECONDS)
+    except subprocess.TimeoutExpired:
+        _kill_tree(job.pid)  # before it is reaped: its pid is still its own
+        job.wait()
+    for pid in below:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _ran_on(killed: dict, places: Places, result: Path) -> str | None:
+    """Why the training job seems to have outlived its kill (it wrote its result, or its
+    log changed since), if it does."""
+    if result.exists():
+        return f"the training job finished after it was killed (it wrote {result})"
+    if _state_of(places.train_log) != killed["log_after_kill"]:
+        return f"the training job still wrote {places.train_log} after it was killed"
+    return None
+
+
+def _state_of(path: Path) -> list[int] | None:
+    try:
+        info = path.stat()
+    except FileNotFoundError:
+        return None
+    return [info.st_size, info.st_mtime_ns]
+
+
 def kill_drain(journal: Path) -> str | None:
     """SIGKILL the drain that last reported in ``journal``'s status, if it ran on this
     host; else return why it was not killed (its pid means nothing here)."""
@@ -270,8 +322,7 @@ def train_and_kill(args: argparse.Namespace, places: Places, result: Path) -> di
                 step = _draining(places)
                 if step is not None:
                     killed_at = step
-                    _kill_tree(job.pid)  # the launcher and its ranks (each in its own group)...
-                    _kill_drains(places)  # ...and its drains, as Slurm would
+                    _crash(job, places)
                     break
                 time.sleep(0.005)
             job.wait()
@@ -293,6 +344,7 @@ def train_and_kill(args: argparse.Namespace, places: Places, result: Path) -> di
         in_every_bb = set.intersection(*copies)
     return {
         "killed_at": killed_at,
+        "log_after_kill": _state_of(places.train_log),
         "saves": sorted({*printed, *committed, *in_every_bb}),
         "seconds": time.monotonic() - start,
         "committed": committed,
@@ -465,8 +517,16 @@ def run(args: argparse.Namespace) -> int:
         results / "cleanup.log",
     )
     print("bbio demo: training with asynchronous checkpoints, then killing the job ...", flush=True)
-    killed = train_and_kill(args, places, results / "train.json")
+    trained = results / "train.json"
+    trained.unlink(missing_ok=True)  # of an earlier demo run
+    killed = train_and_kill(args, places, trained)
     epilog_ = epilog(args, places, results / "epilog.log")
+    survived = _ran_on(killed, places, trained) if killed["killed_at"] is not None else None
+    if survived:
+        raise SystemExit(
+            f"bbio demo: {survived}: the launcher ({args.launcher}) did not pass SIGUSR2 "
+            "on to its ranks; the demo needs a launcher that does (srun, mpirun)"
+        )
     print("bbio demo: restarting from the newest complete checkpoint ...", flush=True)
     _run(
         _job(args, "restart", results / "restart.json"),

@@ -46,6 +46,7 @@ from bbio.stage.run import stage_in
 SEED = 42
 CHECKPOINTER = "demo"  # the checkpointer's name
 CHECKPOINT_EVERY = 2
+TRAIN_LOG = "train-log.jsonl"  # in the PFS directory: each save's digests, one line each
 ROW_BYTES = 8 * 4  # the model is float32, 8 columns
 
 
@@ -225,7 +226,7 @@ def _batches(comm, config: Config, pfs: Path, args, start_step: int):
 def train(comm, args: argparse.Namespace, config: Config, restart: bool) -> dict:
     """Collective: train, checkpointing every CHECKPOINT_EVERY steps (the driver may kill it)."""
     pfs = config.pfs_dir()
-    log_path = pfs / "train-log.jsonl"
+    log_path = pfs / TRAIN_LOG
     result: dict = {"saves": [], "restored": None}
     ckpt = Checkpointer(comm, CHECKPOINTER, keep_bb=2, keep_pfs=3, config=config)
     model, start_step = initial_model(comm, args.model_mib), 0
