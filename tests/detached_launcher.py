@@ -18,10 +18,18 @@ import tempfile
 import time
 from pathlib import Path
 
-DETACHED = (
-    'mpirun -n 4 "$@" & echo $! > "$JOB_PID.part" && mv "$JOB_PID.part" "$JOB_PID"; '
+DETACHED = (  # the shell's pid and mpirun's, then mpirun's exit status
+    'mpirun -n 4 "$@" & echo $$ $! > "$JOB_PID.part" && mv "$JOB_PID.part" "$JOB_PID"; '
     'wait $!; echo $? > "$JOB_STATUS.part" && mv "$JOB_STATUS.part" "$JOB_STATUS"'
 )
+
+
+def _running(pid: int) -> bool:
+    """Is ``pid`` a live process (not gone, not a zombie, whose command line is empty)?"""
+    try:
+        return bool(Path(f"/proc/{pid}/cmdline").read_bytes())
+    except OSError:
+        return False
 
 
 def main(argv: list[str]) -> int:
@@ -37,11 +45,13 @@ def main(argv: list[str]) -> int:
         )
         while not pid_file.exists():
             time.sleep(0.01)
-        job = int(pid_file.read_text())
+        shell, job = (int(pid) for pid in pid_file.read_text().split())
         if forward:
             signal.signal(signal.SIGUSR2, lambda *_: os.kill(job, signal.SIGUSR2))
         while not status_file.exists():
             time.sleep(0.02)
+        while _running(shell):
+            time.sleep(0.01)
         return int(status_file.read_text())
     finally:
         shutil.rmtree(state, ignore_errors=True)

@@ -97,6 +97,7 @@ def test_checkpoint_suite_tiny_writes_documented_json(tmp_path):
     info = doc["machine"]["checkpoint"]
     assert info["sizes_per_rank"] == list(SIZES.values())
     assert info["caches_dropped"] is False and info["repeats"] == 1
+    assert info["stream_saves"] == 4
 
     systems = BASE_SYSTEMS + (DCP_SYSTEMS if torch_importable() else ())
     if torch_importable():

@@ -75,8 +75,8 @@ and, as root, the page cache is dropped (``sync; echo 1 >
 directory under ``--pfs`` (default: the system temp directory, local disk),
 the burst buffers a fresh directory under
 ``--bb`` (default ``/dev/shm``, tmpfs), both removed at the end.  The JSON's
-``machine.checkpoint`` holds the paths, file system types, sizes, repetitions
-and the torch version (or why DCP was skipped).
+``machine.checkpoint`` holds the paths, file system types, sizes, repetitions,
+the saves of one ``bbio-stream`` and the torch version (or why DCP was skipped).
 """
 
 from __future__ import annotations
@@ -553,8 +553,8 @@ class CheckpointBench:
         return {"bbio-fresh": self._save(self.ck_fresh, state)[0]}
 
     def bbio_stream(self, state: dict[str, np.ndarray]) -> dict[str, float]:
-        """``--stream`` saves by ``bbio``'s checkpointer back to back, then waited for:
-        seconds from the end of the first save to every one committed."""
+        """Collective: ``--stream`` saves by ``bbio``'s checkpointer back to back, then
+        waited for: seconds from the end of the first save to every one committed."""
         ck = self.ck
         assert ck is not None
         comm = self.comm
@@ -562,14 +562,14 @@ class CheckpointBench:
         self.step = steps[-1]
         comm.Barrier()
         start = time.perf_counter()
-        handles = [ck.save(step, state) for step in steps[:1]]
-        first = time.perf_counter() - start
-        handles += [ck.save(step, state) for step in steps[1:]]
+        handles, first = [], 0.0
+        for step in steps:
+            handles.append(ck.save(step, state))
+            first = first or time.perf_counter() - start
+            _into_the_burst_buffer(ck, handles[-1])  # agreed: every rank raises alike
         for handle in handles:
             handle.wait(COMMIT_TIMEOUT)
         committed = time.perf_counter() - start
-        for handle in handles:
-            _into_the_burst_buffer(ck, handle)
         seconds = _max(comm, committed) - _max(comm, first)
         self._settle(ck, steps)
         return {"bbio-stream": seconds}
@@ -745,6 +745,7 @@ def run(ctx: BenchContext) -> None:
                 "sizes_per_rank": sizes,
                 "arrays_per_rank": args.arrays,
                 "repeats": repeats,
+                "stream_saves": args.stream,
                 "systems": [s for s in SYSTEMS if s in args.systems],
                 "torch": torch_note if use_torch else None,
                 "dcp_skipped": None if use_torch else torch_note,

@@ -263,7 +263,8 @@ class _Waker(_Fifo):
             return
 
     def ring(self) -> None:
-        """End the drain's pause now (or its next one), from any of its threads."""
+        """Not collective: end the drain's pause now (or its next one), from any of its
+        threads."""
         if self.fd is not None:
             with contextlib.suppress(OSError):  # full: a wake-up is pending anyway
                 os.write(self.fd, b"!")
@@ -400,9 +401,9 @@ def read_manifest(step_dir: Path) -> dict[str, Any] | None:
 
 
 def start_copy(task: Task) -> NodeCopy | None:
-    """Copy ``task``'s node file to its temporary name on the PFS (not yet durable):
-    the copy to finish, or None if the step was saved again since the task was queued.
-    A copy drained before (a replay) is not copied again."""
+    """Not collective: copy ``task``'s node file to its temporary name on the PFS (not
+    yet durable): the copy to finish, or None if the step was saved again since the task
+    was queued.  A copy drained before (a replay) is not copied again."""
     record_path = Path(task.pfs_step_dir) / layout.node_record_name(task.node)
     bb_record_path = Path(task.bb_step_dir) / layout.node_record_name(task.node)
     bb_record = files.read_json(bb_record_path) or {}
@@ -454,7 +455,8 @@ class NodeCopy:
         self.copied: _native.CopyResult | None = None
 
     def copy(self) -> None:
-        """Copy the bytes to the temporary name, describing the file meanwhile."""
+        """Not collective: copy the bytes to the temporary name, describing the file
+        meanwhile."""
 
         def describe_meanwhile() -> None:
             self.described.append(
@@ -470,7 +472,7 @@ class NodeCopy:
         )
 
     def abandon(self) -> None:
-        """Give the copy up: its temporary files are deleted."""
+        """Not collective: give the copy up (its temporary files are deleted)."""
         self.pool.shutdown()
         _discard(self.temp, self.record_temp)
 

@@ -83,18 +83,15 @@ class Places:
     pfs: Path  # the checkpointer's directory on the PFS
     bbs: list[Path]  # the burst buffers (node directories) on this host
     nodes: int  # the job's node count
-
-    @property
-    def train_log(self) -> Path:
-        """The training log the ranks append to (one line per save)."""
-        return self.pfs.parent.parent / TRAIN_LOG
+    train_log: Path  # the log training appends to at each save, on the PFS
 
     @classmethod
     def of(cls, config: Config, nodes: int) -> Places:
         """The PFS directory, and ``bb_root`` expanded for every node (one directory per
         host when it has no {node})."""
         bbs = sorted({config.expand(config.bb_root, node=n) for n in range(nodes)})
-        return cls(config.pfs_dir() / layout.CKPT_DIR / CHECKPOINTER, bbs, nodes)
+        pfs = config.pfs_dir()
+        return cls(pfs / layout.CKPT_DIR / CHECKPOINTER, bbs, nodes, pfs / TRAIN_LOG)
 
     def bb_ckpt_dirs(self) -> list[Path]:
         """The checkpointer's directory in each burst buffer seen here."""
@@ -139,7 +136,7 @@ def _job(args: argparse.Namespace, phase: str, result: Path) -> list[str]:
 @contextlib.contextmanager
 def _started(command: list[str], log: Path) -> Iterator[subprocess.Popen]:
     """Start ``command`` in a session of its own, its output into ``log``; on leaving (an
-    error, Ctrl-C, SIGTERM), kill whatever of it still runs below it.  A checkpoint drain
+    error, Ctrl-C, SIGTERM), end it if it still runs (:func:`_end`).  A checkpoint drain
     is not below it (it runs in a session of its own, to outlive a crash):
     :func:`train_and_kill` kills the drains itself."""
     with open(log, "wb") as out:
@@ -150,8 +147,7 @@ def _started(command: list[str], log: Path) -> Iterator[subprocess.Popen]:
         yield job
     finally:
         if job.poll() is None:
-            _kill_tree(job.pid)
-            job.wait()
+            _end(job)
 
 
 def _fail(what: str, status: int, log: Path) -> NoReturn:
@@ -233,35 +229,78 @@ def _kill_tree(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def _crash(job: subprocess.Popen, places: Places) -> None:
-    """Kill the training job and its drains at once, as a node failure would.
+def _end(job: subprocess.Popen, meanwhile: Callable[[], object] = lambda: None) -> None:
+    """End the launcher ``job`` and its ranks at once, as a node failure would.
 
     The launcher gets SIGUSR2 and passes it on to every rank on every node
     (``srun`` and Open MPI's ``mpirun`` do), whose default action ends a rank at
     once, as SIGKILL would; killing the launcher instead would leave ``srun``'s
-    ranks running (they are not its children).  The drains are SIGKILLed
-    meanwhile.  Once the launcher has ended (or after
-    ``LAUNCHER_EXIT_SECONDS``), what still runs below it, or ran below it when
-    the signal was sent (a launcher that does not pass it on dies of it and
-    leaves its ranks to init), is SIGKILLed.
+    ranks running (they are not its children).  ``meanwhile`` runs right after
+    the signal.  Once the launcher has ended (or after
+    ``LAUNCHER_EXIT_SECONDS``), what ran below it when the signal was sent and
+    still runs is SIGKILLed: a launcher that does not pass SIGUSR2 on (MPICH's
+    ``mpiexec``) dies of it, leaving its ranks here to init.
     """
-    below = _descendants(job.pid)
-    with contextlib.suppress(ProcessLookupError):
-        job.send_signal(signal.SIGUSR2)
-    _kill_drains(places)
+    below = _handles(_descendants(job.pid))
     try:
-        job.wait(LAUNCHER_EXIT_SECONDS)
-    except subprocess.TimeoutExpired:
-        _kill_tree(job.pid)  # before it is reaped: its pid is still its own
-        job.wait()
-    for pid in below:
         with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
+            job.send_signal(signal.SIGUSR2)
+        meanwhile()
+        try:
+            job.wait(LAUNCHER_EXIT_SECONDS)
+        except subprocess.TimeoutExpired:
+            _kill_tree(job.pid)  # before it is reaped: its pid is still its own
+            job.wait()
+    finally:
+        _kill_handles(below)
+
+
+def _handles(pids: list[int]) -> list[int]:
+    """Descriptors (pidfds) of those of ``pids`` still running: a signal sent through one
+    never reaches a later process given the same pid."""
+    handles = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            handles.append(os.pidfd_open(pid))
+    return handles
+
+
+def _kill_handles(handles: list[int]) -> None:
+    """SIGKILL the processes of ``handles`` (:func:`_handles`) and close them."""
+    for handle in handles:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(handle, signal.SIGKILL)
+        os.close(handle)
+
+
+def _processes_running(text: str) -> list[int]:
+    """Live processes of this host whose command line contains ``text``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            with contextlib.suppress(OSError):
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
+                if text.encode() in cmdline:
+                    found.append(int(entry))
+    return found
+
+
+def _crash(job: subprocess.Popen, places: Places) -> None:
+    """Kill the training job (:func:`_end`) and its drains at once; then this host's
+    drains of the demo's journals again, since a save in between may have started one."""
+    _end(job, meanwhile=lambda: _kill_drains(places))
+    for journal in places.journals():
+        _kill_handles(_handles(_processes_running(f"bbio.checkpoint.drain --journal {journal} ")))
 
 
 def _ran_on(killed: dict, places: Places, result: Path) -> str | None:
-    """Why the training job seems to have outlived its kill (it wrote its result, or its
-    log changed since), if it does."""
+    """Why the killed training job seems to run on, if it does: its ranks still run on
+    this host (they are SIGKILLed), it wrote its result, or its log changed since the
+    kill.  Rank 0 writes both; ranks on other hosts are not seen from here."""
+    here = _processes_running(f" --result {result}")
+    if here:
+        _kill_handles(_handles(here))
+        return f"its ranks on this host still ran after the kill (pids {here}; killed now)"
     if result.exists():
         return f"the training job finished after it was killed (it wrote {result})"
     if _state_of(places.train_log) != killed["log_after_kill"]:
@@ -329,6 +368,8 @@ def train_and_kill(args: argparse.Namespace, places: Places, result: Path) -> di
     except BaseException:  # interrupted (Ctrl-C, SIGTERM): the job's drains go with it
         _kill_drains(places)
         raise
+    if killed_at is not None and job.returncode == 0:
+        killed_at = None  # it ended by itself, before the signal: not killed
     if killed_at is None and job.returncode != 0:
         _fail("the train phase", job.returncode, log)
     printed = [
@@ -480,6 +521,17 @@ def report(
     return text, ok
 
 
+def _stop_if_ran_on(args: argparse.Namespace, killed: dict, places: Places, result: Path) -> None:
+    """Stop the demo if the training job it killed runs on (:func:`_ran_on`)."""
+    survived = _ran_on(killed, places, result) if killed["killed_at"] is not None else None
+    if survived:
+        raise SystemExit(
+            f"bbio demo: {survived}: the launcher ({args.launcher}) did not pass SIGUSR2 "
+            "on to its ranks; the demo needs a launcher that does (srun, Open MPI's mpirun). "
+            "Processes of the job on other hosts may still run."
+        )
+
+
 def _terminate(signum: int, frame: object) -> None:
     """SIGTERM (make's timeout, scancel): leave through the ``finally`` blocks that kill
     the running job."""
@@ -520,13 +572,9 @@ def run(args: argparse.Namespace) -> int:
     trained = results / "train.json"
     trained.unlink(missing_ok=True)  # of an earlier demo run
     killed = train_and_kill(args, places, trained)
+    _stop_if_ran_on(args, killed, places, trained)
     epilog_ = epilog(args, places, results / "epilog.log")
-    survived = _ran_on(killed, places, trained) if killed["killed_at"] is not None else None
-    if survived:
-        raise SystemExit(
-            f"bbio demo: {survived}: the launcher ({args.launcher}) did not pass SIGUSR2 "
-            "on to its ranks; the demo needs a launcher that does (srun, mpirun)"
-        )
+    _stop_if_ran_on(args, killed, places, trained)
     print("bbio demo: restarting from the newest complete checkpoint ...", flush=True)
     _run(
         _job(args, "restart", results / "restart.json"),
