@@ -21,7 +21,14 @@ from pathlib import Path
 import pytest
 
 from bbio.checkpoint import drain
-from bbio.demo.__main__ import Places, kill_drain, parse_args, passed, train_and_kill
+from bbio.demo.__main__ import (
+    Places,
+    kill_drain,
+    parse_args,
+    passed,
+    processes_running,
+    train_and_kill,
+)
 from tests.conftest import MPI_ENV, run_mpi, run_python
 
 SMALL = ["--samples", "128", "--epochs", "3", "--batch-size", "8", "--model-mib", "16"]
@@ -92,7 +99,7 @@ def _demo_with_detached_ranks(root: Path, *launcher_options: str):
             "-m", "bbio.demo", "--root", str(root), "--launcher", launcher, *SMALL, timeout=600
         )
     finally:
-        for pid in _processes_naming(str(root)):
+        for pid in processes_running(str(root)):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -126,20 +133,6 @@ def test_an_epilog_launcher_needs_a_burst_buffer_without_node(tmp_path):
     assert not (tmp_path / "results").exists()
 
 
-def _processes_naming(text: str) -> list[int]:
-    """Live processes whose command line contains ``text``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
-                continue
-            if text.encode() in cmdline:
-                found.append(int(entry))
-    return found
-
-
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])  # make's timeout, Ctrl-C
 def test_a_signal_to_the_driver_kills_the_training_job(tmp_path, signum):
@@ -152,21 +145,21 @@ def test_a_signal_to_the_driver_kills_the_training_job(tmp_path, signum):
     )
     try:
         deadline = time.monotonic() + 400
-        while not [p for p in _processes_naming(str(root)) if p in _processes_naming(" train ")]:
+        while not [p for p in processes_running(str(root)) if p in processes_running(" train ")]:
             assert driver.poll() is None, "the demo ended before training"
             assert time.monotonic() < deadline, "training never started"
             time.sleep(0.05)
         driver.send_signal(signum)
         status = driver.wait(timeout=60)
         deadline = time.monotonic() + 1  # reaped; left alone, the job ran on for seconds
-        while _processes_naming(str(root)) and time.monotonic() < deadline:
+        while processes_running(str(root)) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not _processes_naming(str(root)), "the training job outlived the driver"
+        assert not processes_running(str(root)), "the training job outlived the driver"
         assert status == 128 + signum
     finally:
         if driver.poll() is None:
             driver.kill()
-        for pid in _processes_naming(str(root)):  # what the old driver left running
+        for pid in processes_running(str(root)):  # what the old driver left running
             os.kill(pid, signal.SIGKILL)
 
 

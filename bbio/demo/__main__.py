@@ -273,8 +273,9 @@ def _kill_handles(handles: list[int]) -> None:
         os.close(handle)
 
 
-def _processes_running(text: str) -> list[int]:
-    """Live processes of this host whose command line contains ``text``."""
+def processes_running(text: str) -> list[int]:
+    """Live processes of this host (but this one) whose command line contains ``text``.
+    Not collective."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():
@@ -290,14 +291,14 @@ def _crash(job: subprocess.Popen, places: Places) -> None:
     drains of the demo's journals again, since a save in between may have started one."""
     _end(job, meanwhile=lambda: _kill_drains(places))
     for journal in places.journals():
-        _kill_handles(_handles(_processes_running(f"bbio.checkpoint.drain --journal {journal} ")))
+        _kill_handles(_handles(processes_running(f"bbio.checkpoint.drain --journal {journal} ")))
 
 
 def _ran_on(killed: dict, places: Places, result: Path) -> str | None:
     """Why the killed training job seems to run on, if it does: its ranks still run on
     this host (they are SIGKILLed), it wrote its result, or its log changed since the
     kill.  Rank 0 writes both; ranks on other hosts are not seen from here."""
-    here = _processes_running(f" --result {result}")
+    here = processes_running(f" --result {result}")
     if here:
         _kill_handles(_handles(here))
         return f"its ranks on this host still ran after the kill (pids {here}; killed now)"
