@@ -5,7 +5,9 @@ right to change other users' directories."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -118,6 +120,22 @@ def test_a_file_edited_on_the_pfs_since_the_last_stage_out_is_not_replaced(comm,
     assert (pfs / "notes.txt").read_bytes() == b"notes v1, annotated on the PFS"
 
 
+@contextlib.contextmanager
+def second_round_fails(comm, bb, pfs, config, name: str) -> Iterator[None]:
+    """Collective: a stage-out of ``bb`` to ``pfs`` (one file per round) that fails on
+    ``name``, a directory in its way on the PFS; the block runs before the directory is
+    removed again."""
+    if comm.Get_rank() == 0:
+        (pfs / name).mkdir()
+    comm.Barrier()
+    with pytest.raises(bbio.IsDirectoryError, match=re.escape(name)):
+        bbio.stage_out(comm, bb, pfs, config=config)
+    yield
+    if comm.Get_rank() == 0:
+        (pfs / name).rmdir()
+    comm.Barrier()
+
+
 @pytest.mark.mpi(min_size=2)
 def test_what_an_interrupted_stage_out_wrote_is_bbios_for_the_rerun(comm, shared_tmp):
     """A stage-out that fails after committing model.txt leaves no manifest: its pending
@@ -126,15 +144,9 @@ def test_what_an_interrupted_stage_out_wrote_is_bbios_for_the_rerun(comm, shared
     config = two_nodes(comm, shared_tmp, stage_round_bytes=1)  # one file per round
     pfs, bb = stage_in_a_model_then_change_it(comm, shared_tmp, "run", config)
     write_on_every_node(comm, shared_tmp, "run", "z.txt", b"last in path order", 10**18)
-    if comm.Get_rank() == 0:
-        (pfs / "z.txt").mkdir()  # in the way: the second round fails
-    comm.Barrier()
-    with pytest.raises(bbio.IsDirectoryError, match=r"z\.txt"):
-        bbio.stage_out(comm, bb, pfs, config=config)
-    assert (pfs / "model.txt").read_bytes() == b"model v2"
-    assert (pfs / PENDING).exists()
-    if comm.Get_rank() == 0:
-        (pfs / "z.txt").rmdir()
+    with second_round_fails(comm, bb, pfs, config, "z.txt"):
+        assert (pfs / "model.txt").read_bytes() == b"model v2"
+        assert (pfs / PENDING).exists()
     write_on_every_node(comm, shared_tmp, "run", "model.txt", b"model v3", 2 * 10**18)
     bbio.stage_out(comm, bb, pfs, config=config)
     assert files_under(pfs) == {"model.txt": b"model v3", "z.txt": b"last in path order"}
@@ -213,15 +225,8 @@ def test_the_rerun_of_an_interrupted_stage_out_knows_the_versions_it_was_replaci
     bbio.stage_out(comm, bb, pfs, config=config)
     for name in ("a.txt", "b.txt", "y.txt"):
         write_on_every_node(comm, shared_tmp, "out", name, name.encode() + b" v2", 2 * 10**18)
-    if comm.Get_rank() == 0:
-        (pfs / "b.txt").mkdir()  # in the way: the second round fails
-    comm.Barrier()
-    with pytest.raises(bbio.IsDirectoryError, match=r"b\.txt"):
-        bbio.stage_out(comm, bb, pfs, config=config)
-    assert (pfs / "y.txt").read_bytes() == b"y.txt v1"
-    if comm.Get_rank() == 0:
-        (pfs / "b.txt").rmdir()
-    comm.Barrier()
+    with second_round_fails(comm, bb, pfs, config, "b.txt"):
+        assert (pfs / "y.txt").read_bytes() == b"y.txt v1"
     assert bbio.stage_out(comm, bb, pfs, config=config).files == 2
     assert files_under(pfs) == {"a.txt": b"a.txt v2", "b.txt": b"b.txt v2", "y.txt": b"y.txt v2"}
 

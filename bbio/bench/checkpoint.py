@@ -562,11 +562,11 @@ class CheckpointBench:
         self.step = steps[-1]
         comm.Barrier()
         start = time.perf_counter()
-        handles, first = [], 0.0
-        for step in steps:
-            handles.append(ck.save(step, state))
-            first = first or time.perf_counter() - start
-            _into_the_burst_buffer(ck, handles[-1])  # agreed: every rank raises alike
+        handles = [ck.save(steps[0], state)]
+        first = time.perf_counter() - start
+        handles += [ck.save(step, state) for step in steps[1:]]
+        for handle in handles:
+            _into_the_burst_buffer(ck, handle)  # agreed: every rank raises alike
         for handle in handles:
             handle.wait(COMMIT_TIMEOUT)
         committed = time.perf_counter() - start
