@@ -98,14 +98,15 @@ def all_agree(comm, ok: bool) -> bool:
 
 def same_arguments(comm, what: str, arguments: Mapping[str, Any]) -> None:
     """Collective over ``comm``: raise the same :class:`UsageError` on every rank unless
-    every rank passed equal ``arguments`` (name -> value) to the collective call ``what``.
+    every rank is in the collective call ``what`` (:func:`check_same_call`) and passed
+    it equal ``arguments`` (name -> value).
 
     Values are compared by a fingerprint: arrays by dtype, shape and a digest of
     their bytes, paths as strings, anything else by ``repr``.  The error names
     each differing argument with rank 0's value and the first other rank's.
     """
     mine = {name: _fingerprint(value) for name, value in arguments.items()}
-    everyone = comm.allgather(mine)
+    everyone = gather_in_call(comm, what, mine)
     first = everyone[0]
     differing = [
         (name, rank, theirs[name])
@@ -124,6 +125,32 @@ def same_arguments(comm, what: str, arguments: Mapping[str, Any]) -> None:
         raise UsageError(
             f"{what}: the ranks passed different arguments ({listed})",
             hint="a collective call needs the same arguments on every rank of its communicator",
+        )
+
+
+def gather_in_call(comm, what: str, mine: T) -> list[T]:
+    """Collective over ``comm``: allgather ``mine`` from every rank of the collective call
+    ``what``, after :func:`check_same_call`."""
+    everyone = comm.allgather((what, mine))
+    check_same_call([call for call, _ in everyone])
+    return [theirs for _, theirs in everyone]
+
+
+def check_same_call(calls: Sequence[str]) -> None:
+    """Not collective: raise :class:`UsageError` unless ``calls``, the call each rank is in
+    (as gathered, in rank order, by every rank), are one call.
+
+    bbio's collective calls each begin with an allgather of their name, so a
+    rank in another call of the same object (say ``close`` while the others
+    ``save``) makes every rank raise this error instead of hanging.
+    """
+    other = next((rank for rank, call in enumerate(calls) if call != calls[0]), None)
+    if other is not None:
+        raise UsageError(
+            f"the ranks are in different collective calls: rank 0 in {calls[0]}, "
+            f"rank {other} in {calls[other]}",
+            hint="make each collective call on every rank of the communicator, in the same "
+            "order (close a checkpointer or a dataset on every rank, not on some)",
         )
 
 
@@ -226,7 +253,8 @@ def agreed_allgather(comm, what: str, fn: Callable[[], T], quiet: bool = False) 
     """Collective over ``comm``: run ``fn()`` on every rank and allgather the results.
 
     Like :func:`agreed` and an ``allgather`` in one collective: if ``fn``
-    raises on any rank, every rank raises the same error instead.  With
+    raises on any rank, every rank raises the same error instead.  A rank in
+    another call raises :func:`check_same_call`'s error on every rank.  With
     ``quiet``, ranks wait for the slowest ``fn`` without spinning
     (:func:`wait_quietly` on a barrier), when ``fn`` takes long and unevenly.
     """
@@ -238,7 +266,8 @@ def agreed_allgather(comm, what: str, fn: Callable[[], T], quiet: bool = False) 
         local = exc
     if quiet:
         wait_quietly(comm.Ibarrier())
-    outcomes = comm.allgather((None if local is None else describe_error(local), result))
+    outcome = None if local is None else describe_error(local)
+    outcomes = gather_in_call(comm, what, (outcome, result))
     failures = [(r, *o) for r, (o, _) in enumerate(outcomes) if o is not None]
     if failures:
         raise agreed_error(failures, what, comm.Get_size()) from local

@@ -119,6 +119,34 @@ def test_a_closed_checkpointer_says_so_on_every_rank(comm, shared_tmp):
         assert "checkpointer shut is closed" in message and "new Checkpointer" in message
 
 
+@pytest.mark.timeout(60)  # before the fix these hung, or took one call's messages for another's
+def test_a_checkpointer_closed_on_some_ranks_is_one_usage_error_not_a_hang(comm, shared_tmp):
+    """The last rank closes while the others save, then lists while they restore: every
+    rank raises the same error naming both calls, nothing is closed, and the checkpointer
+    still works."""
+    rank, last = comm.Get_rank(), comm.Get_size() - 1
+    with bbio.Checkpointer(comm, "some", config=config_for(comm, shared_tmp)) as ckpt:
+        ckpt.save(1, state(1, rank))
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.close() if rank == last else ckpt.save(2, state(2, rank))
+        message = same_everywhere(comm, info.value)
+        assert (
+            "the ranks are in different collective calls: rank 0 in checkpoint some: save, "
+            f"rank {last} in checkpoint some: close" in message
+        ), message
+        assert "close a checkpointer or a dataset on every rank" in message
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.list() if rank == last else ckpt.restore()
+        message = same_everywhere(comm, info.value)
+        assert f"rank 0 in checkpoint some: restore, rank {last} in checkpoint some: list" in (
+            message
+        )
+        ckpt.save(2, state(2, rank)).wait(timeout=30)
+        step, back, _ = ckpt.restore()
+        assert step == 2 and same(back, state(2, rank))
+        assert [(i.step, i.pfs) for i in ckpt.list()] == [(1, "committed"), (2, "committed")]
+
+
 def test_a_different_step_on_one_rank_is_a_usage_error_everywhere(comm, shared_tmp):
     rank = comm.Get_rank()
     with bbio.Checkpointer(comm, "s", config=config_for(comm, shared_tmp)) as ckpt:

@@ -103,6 +103,22 @@ def test_ranks_that_pass_different_datasets_to_a_loader_get_one_usage_error(comm
         assert len(files.read([0])) == len(again.read([1])) == 1  # still in step
 
 
+@pytest.mark.timeout(60)  # before the fix this hung
+def test_a_dataset_closed_on_some_ranks_is_one_usage_error_not_a_hang(comm, data):
+    root, config = data
+    with bbio.open_dataset(comm, root / "x.raw", record_bytes=4, config=config) as ds:
+        with pytest.raises(bbio.UsageError) as info:
+            ds.close() if last_rank(comm) else ds.read([comm.Get_rank()])
+        message = same_everywhere(comm, info.value)
+        assert (
+            f"the ranks are in different collective calls: rank 0 in read of {root / 'x.raw'}, "
+            f"rank {comm.Get_size() - 1} in close of {root / 'x.raw'}" in message
+        ), message
+        assert not ds.closed
+        assert ds.read([3]).tolist() == [[3, 0, 0, 0]]  # still open, and in step
+    assert ds.closed
+
+
 @pytest.mark.timeout(60)
 def test_a_loader_on_a_reordered_communicator_is_refused(comm, data):
     root, config = data

@@ -779,6 +779,7 @@ class Checkpointer:
         counts them); else the nodes holding a copy are named, and why a copy on every
         node does not count."""
         self._check_open()
+        same_arguments(self.comm, f"checkpoint {self.name}: list", {})
         pfs: dict[int, str] = {}
         saves: dict[int, Any] = {}
         with agreed(self.comm, f"checkpoint {self.name}: listing"):
@@ -811,9 +812,13 @@ class Checkpointer:
         (the drains then keep their journals for ``bbio ckpt drain --finish``).
         Without ``wait`` (as on an exception inside ``with``) nothing waits for
         other ranks.  Closing a closed checkpointer does nothing (and is not collective).
+        While other ranks are in another call of this checkpointer (closed on some ranks
+        only), every rank raises the same :class:`UsageError` and nothing is closed.
         """
         if self._closed:
             return
+        if wait:  # a rank in another call (say save) raises here, and nothing is closed
+            same_arguments(self.comm, f"checkpoint {self.name}: close", {"timeout": timeout})
         drained = False
         try:
             if wait:

@@ -49,7 +49,15 @@ from bbio.errors import (
     UsageError,
     from_oserror,
 )
-from bbio.mpi import agreed, agreed_allgather, all_agree, same_arguments, topology, wait_quietly
+from bbio.mpi import (
+    agreed,
+    agreed_allgather,
+    all_agree,
+    gather_in_call,
+    same_arguments,
+    topology,
+    wait_quietly,
+)
 from bbio.read.plan import (
     MPI_BLOCK_BYTES,
     Extents,
@@ -496,7 +504,7 @@ class Dataset:
             mine: np.ndarray | UsageError = _sample_ids(indices, self.comm.Get_rank(), self.path)
         except UsageError as exc:  # handed to every rank, which raises it
             mine = exc
-        everyone = self.comm.allgather(mine)  # one collective
+        everyone = gather_in_call(self.comm, f"read of {self.path}", mine)  # one collective
         for item in everyone:
             if isinstance(item, UsageError):
                 raise item
@@ -846,7 +854,17 @@ class Dataset:
         self.stats.bytes_needed += bytes_needed
 
     def close(self) -> None:
-        """Collective: close the files and free the communicator (again: nothing)."""
+        """Collective over the dataset's communicator: close the files and free the
+        communicator.  Closing again does nothing (and is not collective); so does
+        leaving a ``with`` block on an exception, which closes this rank's files alone.
+        While other ranks are in another call of this dataset (closed on some ranks
+        only), every rank raises the same :class:`UsageError` and nothing is closed."""
+        if not self.closed:
+            same_arguments(self.comm, f"close of {self.path}", {})
+        self._close_here()
+
+    def _close_here(self) -> None:
+        """Not collective: close this rank's files and free the communicator, once."""
         if self.closed:
             return
         self.closed = True
@@ -864,7 +882,10 @@ class Dataset:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        if exc[0] is None:
+            self.close()
+        else:
+            self._close_here()
 
 
 def open_dataset(
