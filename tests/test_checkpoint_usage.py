@@ -4,6 +4,7 @@ ranks in 2 virtual nodes."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 import numpy as np
@@ -284,3 +285,37 @@ def test_global_arrays_that_cannot_be_one_view_are_refused_at_save(comm, shared_
             ckpt.restore(want={"w": box})
         message = same_everywhere(comm, info.value)
         assert "is not a box of its 1 dimension(s)" in message, message
+
+
+def unstorable(rank: int) -> dict:
+    """What training codes hold besides arrays, by rank: a nested optimizer state, a ragged
+    list, and where torch is installed a bfloat16 tensor (NumPy has no such dtype)."""
+    values: list = [{"state": {"0": np.ones(2)}}, [[1, 2], [3]]]
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        values.append(torch.ones(3, dtype=torch.bfloat16))
+    return {"opt": values[rank % len(values)]}
+
+
+def test_state_that_cannot_be_an_array_is_one_usage_error_not_a_raw_one(comm, shared_tmp):
+    """Before, a nested dict was "dtype object", and a bfloat16 tensor or a ragged list
+    a CollectiveError carrying NumPy's TypeError or ValueError."""
+    rank = comm.Get_rank()
+    expected = [
+        "state 'opt' is a dict, not an array: bbio saves one flat dict of arrays",
+        "state 'opt' (list) cannot be made a NumPy array",
+        "state 'opt' (Tensor) cannot be made a NumPy array",
+    ]
+    with bbio.Checkpointer(comm, "kinds", config=config_for(comm, shared_tmp)) as ckpt:
+        for bad_rank in range(comm.Get_size()):
+            arrays = unstorable(bad_rank) if rank == bad_rank else {"opt": np.ones(2)}
+            with pytest.raises(bbio.UsageError) as info:
+                ckpt.save(1, arrays)
+            message = same_everywhere(comm, info.value)
+            kind = bad_rank % (2 + (importlib.util.find_spec("torch") is not None))
+            assert f"failed on rank {bad_rank}: {expected[kind]}" in message, message
+        ckpt.save(1, {"opt/state/0": np.ones(2)}).wait(timeout=60)  # flattened, as the hint says
+        assert ckpt.restore()[0] == 1
+    with pytest.raises(bbio.UsageError, match=r"a Shard's data \(list\) cannot be made a NumPy"):
+        bbio.Shard([[1, 2], [3]], (0,), (2,))

@@ -45,7 +45,7 @@ class Shard:
     global_shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        data = np.asarray(self.data)
+        data = as_array("a Shard's data", self.data)
         start, shape = tuple(int(s) for s in self.start), tuple(int(s) for s in self.global_shape)
         if not (len(start) == len(shape) == data.ndim):
             raise UsageError(
@@ -146,6 +146,25 @@ def check_key(key: str) -> str:
             "empty, '.' or '..', nor 'r' and five or more digits (bbio's per-rank names)",
         )
     return key
+
+
+def as_array(what: str, value: object) -> np.ndarray:
+    """``value`` (an array, a CPU tensor, a number or a list) as a NumPy array, or the
+    :class:`UsageError` saying why ``what`` cannot be stored (a nested dict, a GPU or
+    bfloat16 tensor, a ragged list)."""
+    if isinstance(value, Mapping):
+        raise UsageError(
+            f"{what} is a {type(value).__name__}, not an array: bbio saves one flat dict of arrays",
+            hint="flatten nested state into keys joined by '/' (such as 'optimizer/state/0')",
+        )
+    try:
+        return np.asarray(value)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise UsageError(
+            f"{what} ({type(value).__name__}) cannot be made a NumPy array: {exc}",
+            hint="pass NumPy arrays or CPU tensors (tensor.cpu()); save a bfloat16 tensor "
+            "as its bits, tensor.view(torch.int16), and view them back after restore",
+        ) from None
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, shape)

@@ -46,6 +46,7 @@ from bbio.checkpoint.layout import (
     GLOBAL,
     Box,
     Shard,
+    as_array,
     check_key,
     first_overlap,
     rank_dataset,
@@ -75,7 +76,7 @@ def describe(arrays: Mapping[str, Any]) -> dict[str, dict]:
     spec = {}
     for key, value in arrays.items():
         check_key(key)
-        data = value.data if isinstance(value, Shard) else np.asarray(value)
+        data = value.data if isinstance(value, Shard) else as_array(f"state {key!r}", value)
         refused = data.dtype.kind in "UMm"  # unicode, datetime64, timedelta64: no HDF5 type
         if data.dtype.hasobject or refused or data.dtype.names is not None:
             raise UsageError(
