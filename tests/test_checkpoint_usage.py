@@ -299,8 +299,9 @@ def unstorable(rank: int) -> dict:
 
 
 def test_state_that_cannot_be_an_array_is_one_usage_error_not_a_raw_one(comm, shared_tmp):
-    """Before, a nested dict was "dtype object", and a bfloat16 tensor or a ragged list
-    a CollectiveError carrying NumPy's TypeError or ValueError."""
+    """Before, a nested dict was "dtype object", a list of arrays an AttributeError, and a
+    bfloat16 tensor or a ragged list a CollectiveError carrying NumPy's TypeError or
+    ValueError."""
     rank = comm.Get_rank()
     expected = [
         "state 'opt' is a dict, not an array: bbio saves one flat dict of arrays",
@@ -315,6 +316,10 @@ def test_state_that_cannot_be_an_array_is_one_usage_error_not_a_raw_one(comm, sh
             message = same_everywhere(comm, info.value)
             kind = bad_rank % (2 + (importlib.util.find_spec("torch") is not None))
             assert f"failed on rank {bad_rank}: {expected[kind]}" in message, message
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.save(1, [np.ones(2)] if rank == 0 else {"opt": np.ones(2)})
+        message = same_everywhere(comm, info.value)  # before: AttributeError, no .items()
+        assert "failed on rank 0: the state to save is a list, not a dict of state keys" in message
         ckpt.save(1, {"opt/state/0": np.ones(2)}).wait(timeout=60)  # flattened, as the hint says
         assert ckpt.restore()[0] == 1
     with pytest.raises(bbio.UsageError, match=r"a Shard's data \(list\) cannot be made a NumPy"):

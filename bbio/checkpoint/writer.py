@@ -73,6 +73,12 @@ def _h5py():
 
 def describe(arrays: Mapping[str, Any]) -> dict[str, dict]:
     """Shape, dtype, size and (for Shards) placement of each of this rank's arrays."""
+    if not isinstance(arrays, Mapping):
+        raise UsageError(
+            f"the state to save is a {type(arrays).__name__}, not a dict of state keys to arrays",
+            hint="pass {'model/w': array, ...}, or {'w': bbio.Shard(...), ...} for slices of "
+            "global arrays",
+        )
     spec = {}
     for key, value in arrays.items():
         check_key(key)
