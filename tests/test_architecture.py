@@ -13,6 +13,7 @@ LAYERS = {
     "core": {
         "bbio._version",
         "bbio.errors",
+        "bbio.arguments",
         "bbio.config",
         "bbio.report",
         "bbio.transfer",

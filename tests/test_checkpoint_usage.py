@@ -176,6 +176,15 @@ def test_different_arguments_to_the_constructor_or_restore_are_a_usage_error(com
         with pytest.raises(bbio.UsageError) as info:
             ckpt.restore(from_rank=1 if rank == 1 else None)
         assert "from_rank given: rank 0 False, rank 1 True" in same_everywhere(comm, info.value)
+    for arguments, expected in (  # before: raw TypeErrors
+        ({"name": 7}, "invalid checkpoint name 7"),
+        ({"keep_bb": "2"}, "keep_bb must be an integer, not '2' (str)"),
+        ({"keep_pfs": 0}, "keep_pfs must be at least 1, not 0"),
+        ({"bb_root": 3}, "Checkpointer: bb_root must be a str or a path, not int"),
+    ):
+        with pytest.raises(bbio.UsageError) as info:
+            bbio.Checkpointer(comm, **{"name": "t", "config": config, **arguments})
+        assert expected in same_everywhere(comm, info.value), info.value
 
 
 def test_overlapping_shards_are_refused_and_replicas_are_restored(comm, shared_tmp):

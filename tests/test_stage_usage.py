@@ -345,6 +345,22 @@ def test_node_where_it_does_not_apply_is_refused(comm, shared_tmp, src):
     assert not list(shared_tmp.rglob("{node}"))
 
 
+def test_a_path_that_is_not_one_is_a_usage_error_everywhere(comm, shared_tmp, src):
+    """Before, None or a number for a path was a raw TypeError from os.fspath."""
+    config = two_nodes(comm, shared_tmp)
+    bb = shared_tmp / "bb" / "{node}"
+    calls = [
+        (bbio.stage_in, None, bb, "stage-in: the source must be a str or a path, not NoneType"),
+        (bbio.stage_out, bb, 7, "stage-out: the destination must be a str or a path, not int"),
+        (bbio.pack, src, b"out", "pack: the output directory must be a str or a path, not bytes"),
+        (bbio.verify, src, None, "verify: the destination must be a str or a path, not NoneType"),
+    ]
+    for call, first, second, expected in calls:
+        with pytest.raises(bbio.UsageError) as info:
+            call(comm, first, second, config=config)
+        assert expected in same_everywhere(comm, info.value), info.value
+
+
 def test_filters_that_select_nothing_say_so(comm, shared_tmp, src):
     config = two_nodes(comm, shared_tmp)
     summary = bbio.stage_in(

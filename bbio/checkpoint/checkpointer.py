@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from bbio._version import __version__
+from bbio.arguments import integer_argument, path_argument
 from bbio.checkpoint import drain, layout
 from bbio.checkpoint import restore as reader
 from bbio.checkpoint.globalview import describe_node_file
@@ -183,12 +184,15 @@ class Checkpointer:
         arguments = {"name": name, "bb_root": bb_root, "pfs_root": pfs_root, "keep_bb": keep_bb}
         arguments |= {"keep_pfs": keep_pfs, "backpressure": backpressure, "config": config}
         same_arguments(comm, "Checkpointer", arguments)
-        if "/" in name or not name or name.startswith("."):
+        if not isinstance(name, str) or "/" in name or not name or name.startswith("."):
             raise UsageError(
                 f"invalid checkpoint name {name!r}", hint="use a plain name like 'run1'"
             )
-        if keep_bb < 1 or keep_pfs < 1:
-            raise UsageError(f"keep_bb and keep_pfs must be at least 1 (got {keep_bb}, {keep_pfs})")
+        keep_bb = integer_argument("keep_bb", keep_bb, 1)
+        keep_pfs = integer_argument("keep_pfs", keep_pfs, 1)
+        for root, what in ((bb_root, "bb_root"), (pfs_root, "pfs_root")):
+            if root is not None:
+                path_argument(f"Checkpointer: {what}", root)
         policy = backpressure or config.ckpt_backpressure
         if policy not in ("queue", "block", "skip"):
             raise UsageError(f"backpressure must be queue, block or skip, got {policy!r}")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
-import numbers
 import os
 import uuid
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from bbio import _native
+from bbio.arguments import integer_argument, path_argument
 from bbio.config import Config, load_config
 from bbio.errors import (
     BBIOError,
@@ -89,20 +89,6 @@ SHARED_SETTINGS = (
     "read_direct_bytes",
 )
 DAMAGED_PACK = "the pack is damaged or incomplete; run 'bbio pack' again"
-
-
-def integer_argument(name: str, value: Any, minimum: int, path: Path | None = None) -> int:
-    """``value`` as an ``int`` of at least ``minimum``, else a :class:`UsageError` naming the
-    argument ``name`` (and ``path``).  Booleans and floats are refused.  Not collective."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        raise UsageError(
-            f"{name} must be an integer, not {value!r} ({type(value).__name__})",
-            path=path,
-            hint=f"pass {name} as an int",
-        )
-    if value < minimum:
-        raise UsageError(f"{name} must be at least {minimum}, not {value}", path=path)
-    return int(value)
 
 
 @dataclasses.dataclass
@@ -929,9 +915,7 @@ def open_dataset(
 def _open_arguments(path, dataset, record_bytes, sample_shape, dtype, header_bytes) -> dict:
     """:func:`open_dataset`'s arguments checked and normalised (the same values give the same
     result on every rank).  Not collective."""
-    if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
-        raise UsageError(f"the path must be a str or a path, not {type(path).__name__}")
-    path = Path(os.path.abspath(path))
+    path = Path(os.path.abspath(path_argument("the path", path)))
     if dataset is not None and (not isinstance(dataset, str) or not dataset):
         raise UsageError(f"dataset= must name an HDF5 dataset, not {dataset!r}", path=path)
     if record_bytes is not None:

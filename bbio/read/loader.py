@@ -16,9 +16,10 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from bbio.arguments import integer_argument
 from bbio.errors import UsageError
 from bbio.mpi import agreed, same_arguments
-from bbio.read.datasets import Dataset, integer_argument
+from bbio.read.datasets import Dataset
 from bbio.read.sampler import batches_of, epoch_order, steps_per_epoch
 
 log = logging.getLogger("bbio")

@@ -27,6 +27,7 @@ import numpy as np
 
 from bbio import _native
 from bbio._version import __version__
+from bbio.arguments import path_argument
 from bbio.config import Config, load_config
 from bbio.errors import DependencyError, IntegrityError, NoSpaceError, NotFoundError, from_oserror
 from bbio.mpi import agreed, deal, same_arguments, topology
@@ -319,6 +320,7 @@ def pack(
         },
     )
     for path, what in ((src, "source"), (out, "output directory")):
+        path_argument(f"pack: the {what}", path)
         check_no_node(path, what, "pack")
     start = time.monotonic()
     src, out = config.expand(src), config.expand(out)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from bbio import _native
+from bbio.arguments import path_argument
 from bbio.config import Config, load_config
 from bbio.errors import (
     AlreadyExistsError,
@@ -647,6 +648,8 @@ def _agree_on_arguments(comm, what: str, config: Config, arguments: dict[str, An
         what,
         {**arguments, **{name: getattr(config, name) for name in plan_settings}},
     )
+    path_argument(f"{what}: the source", arguments["src"])
+    path_argument(f"{what}: the destination", arguments["dst"])
     for name in ("include", "exclude"):
         if isinstance(arguments.get(name), (str, bytes)):
             raise UsageError(

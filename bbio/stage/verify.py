@@ -13,6 +13,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from bbio.arguments import path_argument
 from bbio.config import Config, load_config
 from bbio.errors import IntegrityError, NotFoundError
 from bbio.mpi import agreed, deal, same_arguments, sum_over_ranks, topology
@@ -118,6 +119,8 @@ def verify(
     config = config or load_config()
     arguments = {"src": src, "dst": dst, "ranks_per_node": config.ranks_per_node}
     same_arguments(comm, "verify", arguments)
+    path_argument("verify: the source", src)
+    path_argument("verify: the destination", dst)
     topo = topology(comm, config.ranks_per_node)
     try:
         src_per_node, dst_per_node = NODE in os.fspath(src), NODE in os.fspath(dst)
