@@ -32,6 +32,20 @@ def integer_argument(name: str, value: Any, minimum: int, path: Path | None = No
     return int(value)
 
 
+def seconds_argument(name: str, value: Any) -> float | None:
+    """``value`` as seconds (None: no limit), else a :class:`UsageError` naming the argument
+    ``name``: a number of at least 0, not a boolean nor NaN."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise UsageError(
+            f"{name} must be a number of seconds or None, not {value!r} ({type(value).__name__})"
+        )
+    if not value >= 0:
+        raise UsageError(f"{name} must be at least 0 seconds, not {value}")
+    return float(value)
+
+
 def path_argument(what: str, value: Any) -> str:
     """``value`` (a ``str`` or a path) as a string, else a :class:`UsageError` naming the
     argument ``what`` (such as ``"stage-in: the source"``)."""

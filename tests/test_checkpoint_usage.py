@@ -72,7 +72,7 @@ def test_a_from_rank_not_saved_is_a_usage_error_and_damage_falls_back(comm, shar
             assert "step 2 (pfs) skipped" in caplog.text and "node-00000.h5" in caplog.text
 
 
-def test_a_want_the_checkpoint_cannot_give_is_a_usage_error(comm, shared_tmp):
+def test_a_want_the_checkpoint_cannot_give_is_a_usage_error(comm, shared_tmp, caplog):
     size, rank = comm.Get_size(), comm.Get_rank()
     config = config_for(comm, shared_tmp)
     with bbio.Checkpointer(comm, "local", config=config) as ckpt:  # per-rank arrays
@@ -102,6 +102,25 @@ def test_a_want_the_checkpoint_cannot_give_is_a_usage_error(comm, shared_tmp):
         assert f"failed on rank {last}:" in same_everywhere(comm, info.value)
         step, back, _ = ckpt.restore(step=1, want={"w": beyond})
         assert step == 1 and back["w"].shape == (2, 5)
+        for bad, expected in (  # before: each step "skipped" as if damaged, or a float truncated
+            ({"want": {"w": "bad"}}, "want= box of 'w' is 'bad', not (start, shape)"),
+            ({"want": [((0, 0), (1, 5))]}, "want= maps state keys to (start, shape) boxes"),
+            ({"want": {"w": ((0.5, 0), (1, 5))}}, "want= start of 'w' must be an integer"),
+            ({"want": {"w": ((0, 0), (-1, 5))}}, "want= shape of 'w' must be at least 0"),
+            ({"from_rank": "0"}, "from_rank must be an integer, not '0' (str)"),
+        ):
+            good = {"want": {"w": ((0, 0), (1, 5))}} if "want" in bad else {"from_rank": 0}
+            with (
+                caplog.at_level(logging.WARNING, logger="bbio"),
+                pytest.raises(bbio.UsageError) as info,
+            ):
+                ckpt.restore(**(bad if rank == last else good))
+            message = same_everywhere(comm, info.value)
+            assert f"restore failed on rank {last}: {expected}" in message, message
+            assert "skipped" not in caplog.text  # no checkpoint was looked at
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.restore(step="2")
+        assert "step must be an integer, not '2' (str)" in same_everywhere(comm, info.value)
 
 
 def test_a_closed_checkpointer_says_so_on_every_rank(comm, shared_tmp):
@@ -213,7 +232,11 @@ def test_steps_are_integers_after_the_newest_and_attrs_are_json(comm, shared_tmp
     rank = comm.Get_rank()
     config = config_for(comm, shared_tmp)
     with bbio.Checkpointer(comm, "order", config=config) as ckpt:
-        ckpt.save(np.int64(5), state(5, rank)).wait(timeout=60)  # NumPy's integers too
+        handle = ckpt.save(np.int64(5), state(5, rank))  # NumPy's integers too
+        for bad, expected in (("60", "a number of seconds or None, not '60'"), (-1, "at least 0")):
+            with pytest.raises(bbio.UsageError, match=f"wait: timeout must be {expected}"):
+                handle.wait(timeout=bad)
+        handle.wait(timeout=60)
         for bad in (4.5, "6", True):
             with pytest.raises(bbio.UsageError) as info:
                 ckpt.save(bad, state(6, rank))

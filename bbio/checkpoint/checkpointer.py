@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from bbio._version import __version__
-from bbio.arguments import integer_argument, path_argument
+from bbio.arguments import integer_argument, path_argument, seconds_argument
 from bbio.checkpoint import drain, layout
 from bbio.checkpoint import restore as reader
 from bbio.checkpoint.globalview import describe_node_file
@@ -116,6 +116,7 @@ class SaveHandle:
         writes a new status (:class:`~bbio.checkpoint.drain.StatusWaiter`), or
         polls where no FIFO can be made.
         """
+        timeout = seconds_argument("wait: timeout", timeout)
         if self.done():  # skipped, or committed already: no FIFO to make
             return
         with contextlib.closing(drain.StatusWaiter(self.journal)) as waiter:
@@ -652,6 +653,13 @@ class Checkpointer:
             },
         )
         comm = self.comm
+        with agreed(comm, f"checkpoint {self.name}: restore"):  # want and from_rank: per rank
+            if step is not None:
+                step = integer_argument("step", step, 0)
+            if want is not None:
+                want = layout.wanted_boxes(want)
+            if from_rank is not None:
+                from_rank = integer_argument("from_rank", from_rank, 0)
         pfs_saves: dict[int, Any] = {}
         with agreed(comm, f"checkpoint {self.name}: listing checkpoints"):
             if self.rank == 0:
@@ -823,6 +831,7 @@ class Checkpointer:
             return
         if wait:  # a rank in another call (say save) raises here, and nothing is closed
             same_arguments(self.comm, f"checkpoint {self.name}: close", {"timeout": timeout})
+            timeout = seconds_argument("close: timeout", timeout)
         drained = False
         try:
             if wait:

@@ -28,6 +28,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from bbio.arguments import integer_argument
 from bbio.errors import UsageError
 
 CKPT_DIR = "ckpt"
@@ -168,6 +169,31 @@ def as_array(what: str, value: object) -> np.ndarray:
 
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, shape)
+
+
+def wanted_boxes(want: object) -> dict[str, Box]:
+    """``restore``'s ``want`` (state key -> (start, shape)) with integer tuples, or the
+    :class:`UsageError` saying what is wrong with it (not a dict, a box that is not two
+    sequences of integers of at least 0)."""
+    example = "want={'model/w': ((0, 0), (128, 64))}: (start, shape) of each key's box"
+    if not isinstance(want, Mapping):
+        raise UsageError(
+            f"want= maps state keys to (start, shape) boxes, not a {type(want).__name__}",
+            hint=f"pass {example}",
+        )
+    boxes = {}
+    for key, box in want.items():
+        try:
+            start, shape = (list(part) for part in box)
+        except (TypeError, ValueError):
+            raise UsageError(
+                f"want= box of {key!r} is {box!r}, not (start, shape)", hint=f"pass {example}"
+            ) from None
+        boxes[key] = (
+            tuple(integer_argument(f"want= start of {key!r}", n, 0) for n in start),
+            tuple(integer_argument(f"want= shape of {key!r}", n, 0) for n in shape),
+        )
+    return boxes
 
 
 def intersect(a: Box, b: Box) -> Box | None:
