@@ -119,6 +119,20 @@ def test_a_dataset_closed_on_some_ranks_is_one_usage_error_not_a_hang(comm, data
     assert ds.closed
 
 
+@pytest.mark.timeout(60)  # before the fix the dataset freed its communicator under the reads
+def test_closing_a_dataset_closes_its_prefetching_loader_first(comm, data):
+    root, config = data
+    ds = bbio.open_dataset(comm, root / "x.raw", record_bytes=4, config=config)
+    loader = bbio.Loader(comm, ds, batch_size=2, seed=3, prefetch=2)
+    batches = iter(loader)
+    first = next(batches)  # the background thread reads the next two steps meanwhile
+    ds.close()
+    assert ds.closed and loader._thread is not None and not loader._thread.is_alive()
+    with pytest.raises(bbio.UsageError, match="the Loader is closed"):
+        next(batches)
+    assert first.view(np.int32).ravel().tolist() == loader.indices.tolist()  # record i holds i
+
+
 @pytest.mark.timeout(60)
 def test_a_loader_on_a_reordered_communicator_is_refused(comm, data):
     root, config = data

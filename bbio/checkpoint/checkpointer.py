@@ -830,7 +830,7 @@ class Checkpointer:
         if self._closed:
             return
         if wait:  # a rank in another call (say save) raises here, and nothing is closed
-            same_arguments(self.comm, f"checkpoint {self.name}: close", {"timeout": timeout})
+            same_arguments(self.comm, f"checkpoint {self.name}: close", {})  # each its timeout
             timeout = seconds_argument("close: timeout", timeout)
         drained = False
         try:

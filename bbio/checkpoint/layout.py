@@ -156,14 +156,15 @@ def as_array(what: str, value: object) -> np.ndarray:
     if isinstance(value, Mapping):
         raise UsageError(
             f"{what} is a {type(value).__name__}, not an array: bbio saves one flat dict of arrays",
-            hint="flatten nested state into keys joined by '/' (such as 'optimizer/state/0')",
+            hint="pass an array; flatten nested state into keys joined by '/' (such as "
+            "'optimizer/state/0')",
         )
     try:
         return np.asarray(value)
     except (TypeError, ValueError, RuntimeError) as exc:
         raise UsageError(
             f"{what} ({type(value).__name__}) cannot be made a NumPy array: {exc}",
-            hint="pass NumPy arrays or CPU tensors (tensor.cpu()); save a bfloat16 tensor "
+            hint="pass NumPy arrays or CPU tensors (tensor.detach().cpu()); save a bfloat16 tensor "
             "as its bits, tensor.view(torch.int16), and view them back after restore",
         ) from None
 

@@ -32,6 +32,7 @@ import dataclasses
 import hashlib
 import os
 import uuid
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -425,6 +426,7 @@ class Dataset:
         self.layout = layout
         self.config = config
         self.closed = False
+        self.loaders: weakref.WeakSet = weakref.WeakSet()  # closed before the dataset is
         self.stats = ReadStats()
         self.opening = comm.bcast(
             f"{path} opened as {uuid.uuid4().hex[:12]}" if comm.Get_rank() == 0 else None
@@ -840,19 +842,30 @@ class Dataset:
         self.stats.bytes_needed += bytes_needed
 
     def close(self) -> None:
-        """Collective over the dataset's communicator: close the files and free the
-        communicator.  Closing again does nothing (and is not collective); so does
-        leaving a ``with`` block on an exception, which closes this rank's files alone.
-        While other ranks are in another call of this dataset (closed on some ranks
-        only), every rank raises the same :class:`UsageError` and nothing is closed."""
-        if not self.closed:
-            same_arguments(self.comm, f"close of {self.path}", {})
-        self._close_here()
-
-    def _close_here(self) -> None:
-        """Not collective: close this rank's files and free the communicator, once."""
+        """Collective over the dataset's communicator: close its loaders (see
+        :meth:`Loader.close`), then the files, and free the communicator.  Closing again
+        does nothing (and is not collective).  While other ranks are in another call of
+        this dataset (closed on some ranks only), every rank raises the same
+        :class:`UsageError` and the files stay open.  Leaving a ``with`` block closes
+        without that check, as the ranks may leave it differently (one on an exception)."""
         if self.closed:
             return
+        self._close_loaders()
+        same_arguments(self.comm, f"close of {self.path}", {})
+        self._close_here()
+
+    def _close_loaders(self) -> None:
+        """Collective: close the loaders of this dataset, whose background reads use its
+        communicator."""
+        for loader in list(self.loaders):
+            loader.close()
+
+    def _close_here(self) -> None:
+        """Close this rank's files and free the communicator, once (after the loaders).
+        Not collective."""
+        if self.closed:
+            return
+        self._close_loaders()
         self.closed = True
         if self._reader is not None:
             self._reader.shutdown()
@@ -868,10 +881,7 @@ class Dataset:
         return self
 
     def __exit__(self, *exc) -> None:
-        if exc[0] is None:
-            self.close()
-        else:
-            self._close_here()
+        self._close_here()
 
 
 def open_dataset(

@@ -78,6 +78,7 @@ class Loader:
         same_arguments(common, "Loader", {"dataset": dataset.opening})
         same_arguments(common, f"Loader of {dataset.path}", arguments)
         self.dataset = dataset
+        dataset.loaders.add(self)
         self.rank = dataset.comm.Get_rank()
         self.replicas = dataset.comm.Get_size()
         self.batch_size = arguments["batch_size"]
