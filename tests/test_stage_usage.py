@@ -361,6 +361,21 @@ def test_a_path_that_is_not_one_is_a_usage_error_everywhere(comm, shared_tmp, sr
         assert expected in same_everywhere(comm, info.value), info.value
 
 
+def test_a_file_as_the_source_says_how_to_stage_it(comm, shared_tmp, src):
+    config = two_nodes(comm, shared_tmp)
+    one = src / "d1" / "f1.bin"
+    with pytest.raises(bbio.NotDirectoryError) as info:
+        bbio.stage_in(comm, one, shared_tmp / "bb" / "{node}" / "one", config=config)
+    message = same_everywhere(comm, info.value)
+    assert f"pass {src / 'd1'} and --include 'f1.bin'" in message, message
+    bbio.stage_in(
+        comm, src / "d1", shared_tmp / "bb" / "{node}" / "one", include=["f1.bin"], config=config
+    )
+    node = comm.Get_rank() * 2 // comm.Get_size()
+    copied = shared_tmp / "bb" / str(node) / "one"
+    assert files_under(copied) == {"f1.bin": one.read_bytes()}
+
+
 def test_filters_that_select_nothing_say_so(comm, shared_tmp, src):
     config = two_nodes(comm, shared_tmp)
     summary = bbio.stage_in(

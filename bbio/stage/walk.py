@@ -250,7 +250,13 @@ def check_source(root: Path, node: int | None = None) -> None:
             hint=None if node is None else "check the path, or create it (empty) on every node",
         )
     if not root.is_dir():
-        raise NotDirectoryError("the source is not a directory", path=root, node=node)
+        raise NotDirectoryError(
+            "the source is not a directory",
+            path=root,
+            node=node,
+            hint=f"staging copies directories: for this file alone, pass {root.parent} and "
+            f"--include '{root.name}' (include=['{root.name}'])",
+        )
 
 
 def check_destination(root: Path, node: int | None = None) -> None:
