@@ -199,7 +199,7 @@ def test_a_step_saved_again_while_draining_is_never_committed_from_mixed_saves(t
     pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
     assert not (pfs_step / layout.node_record_name(0)).exists()
     # node 1 drained the old save before it was saved again: its record is of 1.5
-    drain.start_copy(dataclasses.replace(drain.pending(j1)[0], save_time=None)).finish()
+    drain.start_copy(dataclasses.replace(drain.pending(j1)[0], save_time=None)).finish(j1)
     files.write_json_atomic(
         pfs_step / layout.node_record_name(1),
         {**files.read_json(pfs_step / layout.node_record_name(1)), "time": 1.5},
@@ -235,7 +235,7 @@ def test_a_copy_of_a_file_saved_again_meanwhile_never_replaces_the_pfs_file(tmp_
     task.target.parent.mkdir(parents=True)
     task.target.write_bytes(b"the new save's file")
     copying = drain.start_copy(task)  # the BB record is still the old save's
-    assert copying is not None and copying.finish() is None
+    assert copying is not None and copying.finish(j0) is None
     assert task.target.read_bytes() == b"the new save's file"
     assert not (task.target.parent / layout.node_record_name(0)).exists()
     assert not list(task.target.parent.glob("*bbio-part"))  # neither copy nor record left
@@ -819,3 +819,38 @@ def test_the_status_says_copying_while_a_step_finishes_after_another_was_set_asi
     assert exits == [1]  # step 7 set aside: said
     status = drain.read_status(j0)
     assert (status["state"], status["error"]) == (drain.STOPPED, None), status
+
+
+def test_a_step_saved_again_while_its_older_save_is_recorded_keeps_the_new_save(tmp_path):
+    """Node 0's drain has renamed save 1.5's copy of step 7 onto the PFS when the step is
+    saved again (2.5), holding the records lock as a saving node leader does.  Before the
+    lock, the drain then wrote 1.5's record over 2.5's: save 2.5 was set aside as damaged
+    and a restore took the old state."""
+    bb, pfs = tmp_path / "bb", tmp_path / "pfs"
+    j0, j1 = two_node_save(bb, 7, 1.5)
+    (task,) = drain.pending(j0)
+    exits = []
+    draining = threading.Thread(
+        target=lambda: exits.append(drain.run(j0, None, True, 60)), daemon=True
+    )
+    with drain.records_locked(j0):
+        draining.start()
+        assert _wait_for(lambda: task.target.exists()), "node 0's copy was not renamed"
+        time.sleep(0.1)  # the drain now waits for the lock to record its copy
+        bb_record = task.source.parent / layout.node_record_name(0)
+        assert files.read_json(bb_record)["crc32c"] is None  # not recorded as drained yet
+        for n in (0, 1):  # what saving the step again does: uncommit it on the PFS ...
+            (pfs / layout.step_dirname(7) / layout.node_record_name(n)).unlink(missing_ok=True)
+        for journal in (j0, j1):  # ... drop each node's copy and task, then save anew
+            drain.task_path(journal, 7).unlink()
+        for path in (bb_record, task.source):
+            path.unlink()
+        two_node_save(bb, 7, 2.5)
+    draining.join(60)
+    assert exits == [0] and not draining.is_alive()
+    assert files.read_json(bb_record)["time"] == 2.5
+    assert not drain.read_status(j0).get("damaged")  # the new save was not set aside
+    assert drain.run(j1, None, finish=True, timeout=60) == 0
+    assert drain.read_manifest(pfs / layout.step_dirname(7))["time"] == 2.5
+    with h5py.File(task.target, "r") as f:  # the new save's bytes on the PFS
+        assert f["w/r00000"][()].tolist() == [2.5] * 5

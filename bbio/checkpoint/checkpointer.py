@@ -444,10 +444,11 @@ class Checkpointer:
             for n in range(self.nodes):
                 (pfs_step / layout.node_record_name(n)).unlink(missing_ok=True)
         if self.topo.is_leader:
-            drain.task_path(self.journal, step).unlink(missing_ok=True)
-            record, node_file = (step_dir / name for name in layout.node_copy_names(self.node))
-            for path in (record, node_file, files.temp_path(node_file)):
-                path.unlink(missing_ok=True)
+            with drain.records_locked(self.journal):  # not while a drain records this step
+                drain.task_path(self.journal, step).unlink(missing_ok=True)
+                record, node_file = (step_dir / name for name in layout.node_copy_names(self.node))
+                for path in (record, node_file, files.temp_path(node_file)):
+                    path.unlink(missing_ok=True)
 
     def _claim_spare(self, key: str | None, target: Path) -> bool:
         """A node leader: move the node's spare of layout ``key`` to ``target`` (True), or
@@ -495,22 +496,21 @@ class Checkpointer:
         record = {"size": size, "crc32c": None, "node": self.node, "time": when, "complete": True}
         if key is not None:
             record["spare"] = {"layout_key": key, "max_bytes": room}
-        files.write_json_atomic(record_path, record)
-        drain.add_task(
-            self.journal,
-            drain.Task(
-                self.name,
-                step,
-                self.node,
-                self.nodes,
-                str(step_dir),
-                str(self.pfs_dir / layout.step_dirname(step)),
-                self.keep_pfs,
-                self.keep_bb,
-                self.verify,
-                when,
-            ),
+        task = drain.Task(
+            self.name,
+            step,
+            self.node,
+            self.nodes,
+            str(step_dir),
+            str(self.pfs_dir / layout.step_dirname(step)),
+            self.keep_pfs,
+            self.keep_bb,
+            self.verify,
+            when,
         )
+        with drain.records_locked(self.journal):  # not while a drain records this step
+            files.write_json_atomic(record_path, record)
+            drain.add_task(self.journal, task)
 
     def _busy(self) -> bool:
         """Collective: does any node still have checkpoints to drain?  A node leader whose

@@ -61,7 +61,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -78,6 +78,7 @@ LOCK, STATUS, STOP, TARGET, WAKE = "drain.lock", "status.json", "stop", "target.
 WAITERS = "waiters"  # one FIFO per waiting process, told of every new status
 HALF_MADE_WAITER_SECONDS = 60.0  # a hidden waiter FIFO this old was left by a dead process
 COMMIT_LOCK = ".commit.lock"
+RECORDS_LOCK = "records.lock"  # in the journal: a node's BB records, saved or drained
 MANIFEST = "manifest.json"
 GLOBAL_VIEW = "global.h5"
 MANIFEST_FORMAT = "bbio-checkpoint/1"
@@ -179,6 +180,20 @@ def set_aside(journal: Path) -> dict[int, dict[str, Any]]:
             if task is not None and task.get("save_time") == document.get("time"):
                 found[step] = document
     return found
+
+
+@contextlib.contextmanager
+def records_locked(journal: Path) -> Iterator[None]:
+    """Hold this node's lock on the burst-buffer records of ``journal``'s checkpointer (an
+    ``flock``, released if the process dies).  A save that drops or writes a step's record
+    and a drain that records a drained copy hold it, so a drain finishing an older save of
+    a step saved again never writes over the new save's record.  Not collective."""
+    fd = os.open(journal / RECORDS_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def add_task(journal: Path, task: Task) -> None:
@@ -476,10 +491,11 @@ class NodeCopy:
         self.pool.shutdown()
         _discard(self.temp, self.record_temp)
 
-    def finish(self) -> dict[str, Any] | None:
+    def finish(self, journal: Path) -> dict[str, Any] | None:
         """Flush the copy, read it back, write the PFS record meanwhile, and rename both
-        into place; record it on the BB: the node's record, or None if the file was saved
-        again meanwhile (nothing renamed).  Not collective."""
+        into place; record it on the BB (under :func:`records_locked`): the node's record,
+        or None if the file was saved again meanwhile (then its new save's drain replaces
+        whatever was renamed).  Not collective."""
         if self.drained is not None:
             return self.drained
         try:
@@ -491,7 +507,12 @@ class NodeCopy:
             self.abandon()
             return None
         self.pool.shutdown()
-        files.write_json_atomic(self.bb_record_path, {**self.bb_record, **record, "complete": True})
+        with records_locked(journal):
+            now = files.read_json(self.bb_record_path)
+            if now is None or not self.task.is_save_of(now):
+                return None  # saved again during the renames: the new save's record stays
+            drained = {**self.bb_record, **record, "complete": True}
+            files.write_json_atomic(self.bb_record_path, drained)
         return record
 
     def _seal(self) -> dict[str, Any] | None:
@@ -684,8 +705,9 @@ def try_commit(step_dir: Path, nodes: int) -> bool:
 
 def _write_view_then_manifest(step_dir: Path, view: bytes, manifest: dict[str, Any]) -> None:
     """Write ``global.h5`` and the manifest durably at once under temporary names of
-    their own (a committer that took a lock judged stale never shares them), then
-    rename ``global.h5``, fsync the directory, and rename the manifest last."""
+    their own (a committer that took a lock judged stale never shares them), and fsync
+    the checkpointer's directory (the step's entry in it); then rename ``global.h5``,
+    fsync the step's directory, and rename the manifest last."""
     document = json.dumps(manifest, separators=(",", ":")).encode()
     view_temp = files.unique_temp_path(step_dir / GLOBAL_VIEW)
     manifest_temp = files.unique_temp_path(manifest_path(step_dir))
@@ -694,6 +716,7 @@ def _write_view_then_manifest(step_dir: Path, view: bytes, manifest: dict[str, A
             viewing = pool.submit(files.write_durably, view_temp, view)
             try:
                 files.write_durably(manifest_temp, document)
+                files.fsync_dirs([step_dir.parent])  # the step's own entry, made by a mkdir
             finally:
                 futures.wait([viewing])
             viewing.result()
@@ -938,7 +961,7 @@ def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -
     journal, so that :func:`step_committed` always finds the step in one of
     them.
     """
-    if copying.finish() is None:
+    if copying.finish(journal) is None:
         _not_copied(journal, task)
         return False
     set_aside_path(journal, task.step).unlink(missing_ok=True)  # of an earlier save, if any
