@@ -130,7 +130,7 @@ def test_a_waiting_rank_learns_the_commit_from_its_node_journal(tmp_path):
     assert drain.step_committed(journal, 5) is None  # a restarted drain never saw it
 
 
-def two_node_save(bb_root, step, when, pfs_root=None):
+def two_node_save(bb_root, step, when, pfs_root=None, keep_pfs=5):
     """Both nodes' files of one save of checkpointer "run" in their burst buffers
     (``bb_root``/NODE), recorded and queued for ``pfs_root`` (default: ``pfs`` beside
     ``bb_root``); returns the nodes' journals."""
@@ -153,7 +153,9 @@ def two_node_save(bb_root, step, when, pfs_root=None):
         journal = drain.journal_dir(ckpt_dir)
         journal.mkdir(exist_ok=True)
         pfs_step = (pfs_root or bb_root.parent / "pfs") / layout.step_dirname(step)
-        task = drain.Task("run", step, node, 2, str(step_dir), str(pfs_step), 5, 2, "cache", when)
+        task = drain.Task(
+            "run", step, node, 2, str(step_dir), str(pfs_step), keep_pfs, 2, "cache", when
+        )
         drain.add_task(journal, task)
         journals.append(journal)
     return journals
@@ -854,3 +856,25 @@ def test_a_step_saved_again_while_its_older_save_is_recorded_keeps_the_new_save(
     assert drain.read_manifest(pfs / layout.step_dirname(7))["time"] == 2.5
     with h5py.File(task.target, "r") as f:  # the new save's bytes on the PFS
         assert f["w/r00000"][()].tolist() == [2.5] * 5
+
+
+def test_a_retry_of_a_step_retention_deleted_since_is_done_not_copied_again(tmp_path):
+    """keep_pfs=1: step 7 is committed, then step 8, and retention deletes step 7.  Node
+    1's task of step 7 comes back (its first try failed after its renames, say on a full
+    burst buffer).  Before, the drain made step 7's directory again, copied the file into
+    it, and waited for ever for a commit that could not come."""
+    bb, pfs = tmp_path / "bb", tmp_path / "pfs"
+    j0, j1 = two_node_save(bb, 7, 1.5, keep_pfs=1)
+    two_node_save(bb, 8, 2.5, keep_pfs=1)
+    (task7,) = [t for t in drain.pending(j1) if t.step == 7]
+    for journal in (j0, j1, j0):
+        assert drain.run(journal, None, finish=True, timeout=60) == 0
+    assert drain.committed_steps(pfs) == [8] and not (pfs / layout.step_dirname(7)).exists()
+    drain.add_task(j1, task7)  # the retry
+    record = task7.source.parent / layout.node_record_name(1)
+    files.write_json_atomic(record, {**files.read_json(record), "crc32c": None})
+    start = time.monotonic()
+    assert drain.run(j1, None, finish=True, timeout=20) == 0
+    assert time.monotonic() - start < 10
+    assert not (pfs / layout.step_dirname(7)).exists() and drain.pending(j1) == []
+    assert drain.committed_steps(pfs) == [8]

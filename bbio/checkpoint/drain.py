@@ -942,6 +942,9 @@ def _begin(journal: Path, task: Task) -> NodeCopy | None:
         gone = f"its burst-buffer copy is gone (no {task.source} nor its record)"
         _set_aside(journal, task, gone)  # never drainable; said, not retried for ever
         return None
+    if _retired(task):
+        _remove_task(journal, task)  # committed, then deleted by PFS retention since: done
+        return None
     elsewhere = damaged_save(Path(task.pfs_step_dir), task.save_time)
     if elsewhere is not None:  # another node's file of this save is damaged: never commits
         _set_aside(journal, task, str(elsewhere.get("why")), elsewhere.get("node"))
@@ -950,6 +953,28 @@ def _begin(journal: Path, task: Task) -> NodeCopy | None:
     if copying is None:
         _not_copied(journal, task)
     return copying
+
+
+def _retired(task: Task) -> bool:
+    """Has PFS retention passed ``task``'s step by?  Its directory is gone and ``keep_pfs``
+    newer steps are committed (a retry of a step that other nodes committed and retention
+    deleted since): copied again, it could never commit.  Looks at the PFS only when this
+    node has drained a newer step (its BB record holds the PFS CRC32C): never when the
+    steps drain in order."""
+    bb_ckpt_dir = Path(task.bb_step_dir).parent
+
+    def drained(step: int) -> bool:
+        record = bb_ckpt_dir / layout.step_dirname(step) / layout.node_record_name(task.node)
+        return (files.read_json(record) or {}).get("crc32c") is not None
+
+    try:
+        if not any(drained(step) for step in steps_in(bb_ckpt_dir) if step > task.step):
+            return False
+        step_dir = Path(task.pfs_step_dir)
+        newer = [step for step in committed_steps(step_dir.parent) if step > task.step]
+        return not step_dir.exists() and len(newer) >= task.keep_pfs
+    except (OSError, BBIOError):
+        return False  # copied again, as before
 
 
 def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -> bool:
