@@ -724,6 +724,9 @@ def test_damaged_leftovers_of_an_older_checkpoint_do_not_fail_the_finish(tmp_pat
     old = tmp_path / "pfs" / layout.step_dirname(1)
     old.mkdir(parents=True)
     (old / layout.node_record_name(0)).write_text("{not json")
+    drained_here = {"size": 8, "crc32c": 1, "node": 0, "time": 0.5, "complete": True}
+    bb_old = journals[0].parent / layout.step_dirname(1) / layout.node_record_name(0)
+    files.write_json_atomic(bb_old, drained_here)  # node 0 drained step 1 (an older job)
     assert admin.finish_journals(journals, 60) == []
     assert drain.read_manifest(tmp_path / "pfs" / layout.step_dirname(5))["time"] == 1.5
     assert "not committed" in capfd.readouterr().err
@@ -878,3 +881,29 @@ def test_a_retry_of_a_step_retention_deleted_since_is_done_not_copied_again(tmp_
     assert time.monotonic() - start < 10
     assert not (pfs / layout.step_dirname(7)).exists() and drain.pending(j1) == []
     assert drain.committed_steps(pfs) == [8]
+
+
+def test_the_finish_commits_what_this_node_drained_after_a_dead_committer_s_lock(tmp_path):
+    """Step 7's node files and records are all on the PFS, but node 0's committer died on
+    its host holding the commit lock.  Node 1's epilog waits until the lock is stale and
+    commits (before, it gave up at once and the step stayed uncommitted); a later job's
+    epilog, whose node never drained step 7, leaves it alone (before, it committed an
+    earlier job's step, newer than its own, and retention then deleted its own)."""
+    bb, pfs = tmp_path / "bb", tmp_path / "pfs"
+    j0, j1 = two_node_save(bb, 7, 1.5)
+    for journal in (j0, j1):
+        drain.start_copy(drain.pending(journal)[0]).finish(journal)
+        drain.set_target(journal, pfs, nodes=2, keep_pfs=5)
+    later_job = bb / "later" / "0" / layout.CKPT_DIR / "run"
+    drain.journal_dir(later_job).mkdir(parents=True)
+    drain.set_target(drain.journal_dir(later_job), pfs, nodes=2, keep_pfs=5)
+    assert drain.commit_ready(drain.journal_dir(later_job)) == []
+    assert drain.read_manifest(pfs / layout.step_dirname(7)) is None
+    lock = pfs / layout.step_dirname(7) / drain.COMMIT_LOCK
+    lock.write_text(json.dumps({"host": "a-dead-node", "pid": 1}))
+    nearly_stale = time.time() - drain.STALE_LOCK_SECONDS + 2
+    os.utime(lock, (nearly_stale, nearly_stale))
+    start = time.monotonic()
+    assert drain.commit_ready(j1) == [7]
+    assert 1 <= time.monotonic() - start < 30
+    assert drain.read_manifest(pfs / layout.step_dirname(7))["time"] == 1.5

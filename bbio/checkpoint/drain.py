@@ -361,10 +361,14 @@ def set_target(journal: Path, pfs_ckpt_dir: Path, nodes: int, keep_pfs: int) -> 
     )
 
 
-def commit_ready(journal: Path) -> list[int]:
-    """Commit every checkpoint of this journal's target whose node files are all on the PFS.
+def commit_ready(journal: Path, patience: float = STALE_LOCK_SECONDS + 5) -> list[int]:
+    """Commit every checkpoint of this journal's target whose node files are all on the PFS
+    and whose save this node drained (another job's are its own to commit).
 
-    Finishes the work of a committer that died.  Returns the steps committed now.
+    Finishes the work of a committer that died.  A commit lock held by another
+    host's committer is waited on for up to ``patience`` seconds: that committer
+    commits, or its lock grows stale and this one takes over.  Returns the steps
+    committed now.
     """
     target = files.read_json(journal / TARGET)
     if target is None:
@@ -375,13 +379,31 @@ def commit_ready(journal: Path) -> list[int]:
         for entry in sorted(ckpt_dir.iterdir()):
             step = layout.parse_step(entry.name)
             try:
-                uncommitted = step is not None and not committed_save(entry)
-                if uncommitted and try_commit(entry, target["nodes"]):
+                if step is None or committed_save(entry) or not _drained_here(journal, entry):
+                    continue
+                deadline = time.monotonic() + patience
+                while not (committed := try_commit(entry, target["nodes"])):
+                    if not (entry / COMMIT_LOCK).exists() or time.monotonic() > deadline:
+                        break
+                    time.sleep(1.0)
+                if committed:
                     apply_pfs_retention(ckpt_dir, target["keep_pfs"])
                     done.append(step)
             except (BBIOError, OSError) as exc:  # one step's damage holds back no other
                 print(f"bbio drain: {entry}: not committed: {exc}", file=sys.stderr)
     return done
+
+
+def _drained_here(journal: Path, pfs_step_dir: Path) -> bool:
+    """Did this journal's node drain the save whose record is in ``pfs_step_dir``?  Its BB
+    record of the step holds a PFS CRC32C, and the node's PFS record is of that save."""
+    bb_step_dir = journal.parent / pfs_step_dir.name
+    for bb_record_path in bb_step_dir.glob("node-*.json"):
+        bb_record = files.read_json(bb_record_path) or {}
+        pfs_record = files.read_json(pfs_step_dir / bb_record_path.name) or {}
+        if bb_record.get("crc32c") is not None and bb_record.get("time") == pfs_record.get("time"):
+            return True
+    return False
 
 
 def read_status(journal: Path) -> dict[str, Any]:
