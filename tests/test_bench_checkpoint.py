@@ -27,9 +27,10 @@ BASE_SYSTEMS = (
     "h5py-sync",
     "pfs-write",
     "pfs-write-node",
+    "pfs-commit",
 )
 DCP_SYSTEMS = ("dcp-async", "dcp-async-committed")
-RATES = ("bbio-drain", "bbio-drain-stream", "pfs-write", "pfs-write-node")
+RATES = ("bbio-drain", "bbio-drain-stream", "pfs-write", "pfs-write-node", "pfs-commit")
 
 
 def torch_importable() -> bool:

@@ -58,10 +58,19 @@ one measurement that starts after a barrier:
 * ``pfs-write-node``: raw write+fsync to the PFS as the drain writes: one file
   per node, written by one process per node (the leader writes the node's
   byte count from its own arrays) while the other ranks wait.
+* ``pfs-commit``: the floor of a drain and its commit, with no bbio code: as
+  ``pfs-write-node``, but each leader makes the step directory and writes under
+  a temporary name, then fsyncs, renames and fsyncs the directory; once every
+  node's file is in place (a barrier: no look at the PFS), rank 0 writes a
+  manifest-sized document (``MANIFEST_BYTES``) under a temporary name, fsyncs,
+  renames it and fsyncs the directory.  No burst-buffer read, CRC32C, read-back
+  nor ``global.h5``: a lower bound on any drain that commits one file per node
+  with the manifest last.
 
 Derived, metric ``GB_per_s`` (10**9 bytes/s of state, all ranks): ``bbio-drain``
 = bytes / (``bbio-committed`` - ``bbio``) of the same save, ``bbio-drain-stream``
-= ``--stream`` x bytes / ``bbio-stream``, ``pfs-write`` and ``pfs-write-node``.
+= ``--stream`` x bytes / ``bbio-stream``, ``pfs-write``, ``pfs-write-node`` and
+``pfs-commit``.
 
 Before measuring, one untimed round of every system at 1 MiB per rank warms
 up imports, MPI-IO, the drain processes and gloo; before each size, one
@@ -133,6 +142,7 @@ SYSTEMS = (
     "dcp-async",
     "pfs-write",
     "pfs-write-node",
+    "pfs-commit",
 )
 # The seconds recorded, in this order (two systems give two values each).
 REPORTED = (
@@ -150,11 +160,13 @@ REPORTED = (
     "dcp-async-committed",
     "pfs-write",
     "pfs-write-node",
+    "pfs-commit",
 )
 COMMIT_TIMEOUT = 1800.0
 CKPT_NAME = "bench"
 KEEP_BB = 1
 STREAM_SAVES = 4
+MANIFEST_BYTES = 2048  # about a bbio manifest of two nodes' files
 
 
 def _sizes(text: str) -> list[int]:
@@ -498,6 +510,45 @@ class CheckpointBench:
             path.unlink()
         return {"pfs-write-node": seconds}
 
+    def pfs_commit(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        """The floor of a drain's copy and commit: one file per node written under a
+        temporary name and renamed, then a manifest written last (rank 0)."""
+        arrays = list(state.values())
+        node_bytes = self.topo.node_comm.allreduce(sum(a.nbytes for a in arrays))
+        step_dir = self.pfs / "raw" / "commit"
+        node_file = step_dir / f"node-{self.node:05d}.h5"
+        manifest = step_dir / "manifest.json"
+        self.comm.Barrier()
+        start = time.perf_counter()
+        if self.leader:
+            step_dir.mkdir(exist_ok=True)
+            temp = step_dir / f".{node_file.name}.part"
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                write_bytes(fd, arrays, node_bytes)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(temp, node_file)
+            _fsync_path(step_dir)
+        idle_barrier(self.comm)  # every node's file is in place
+        if self.rank == 0:
+            temp = step_dir / f".{manifest.name}.part"
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.write(fd, b"0" * MANIFEST_BYTES)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(temp, manifest)
+            _fsync_path(step_dir)
+        seconds = time.perf_counter() - start
+        idle_barrier(self.comm)
+        seconds = _max(self.comm, seconds)
+        if self.rank == 0:
+            _remove(step_dir)
+        return {"pfs-commit": seconds}
+
     def _h5py_write(self, comm, path: Path, state: dict[str, np.ndarray]) -> float:
         """Collective over ``comm``: the arrays into one HDF5 file (``mpio``), fsynced; seconds."""
         import h5py
@@ -631,6 +682,7 @@ class CheckpointBench:
             "dcp-async": self.dcp_async,
             "pfs-write": self.pfs_write,
             "pfs-write-node": self.pfs_write_node,
+            "pfs-commit": self.pfs_commit,
         }
         chosen = [s for s in SYSTEMS if s in self.args.systems]
         if not self.use_torch:
@@ -664,7 +716,7 @@ class CheckpointBench:
                 "GB/s",
                 gb_per_s(streamed, seconds["bbio-stream"]),
             )
-        for system in ("pfs-write", "pfs-write-node"):
+        for system in ("pfs-write", "pfs-write-node", "pfs-commit"):
             if system in seconds:
                 add(case, system, "GB_per_s", "GB/s", gb_per_s(total_bytes, seconds[system]))
 
