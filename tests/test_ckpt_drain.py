@@ -4,8 +4,10 @@ node records, and what a waiting rank learns from its node's journal."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import json
+import mmap
 import os
 import shutil
 import subprocess
@@ -130,10 +132,11 @@ def test_a_waiting_rank_learns_the_commit_from_its_node_journal(tmp_path):
     assert drain.step_committed(journal, 5) is None  # a restarted drain never saw it
 
 
-def two_node_save(bb_root, step, when, pfs_root=None, keep_pfs=5):
+def two_node_save(bb_root, step, when, pfs_root=None, keep_pfs=5, elements=5):
     """Both nodes' files of one save of checkpointer "run" in their burst buffers
-    (``bb_root``/NODE), recorded and queued for ``pfs_root`` (default: ``pfs`` beside
-    ``bb_root``); returns the nodes' journals."""
+    (``bb_root``/NODE), each rank's array "w" of ``elements`` values, recorded and
+    queued for ``pfs_root`` (default: ``pfs`` beside ``bb_root``); returns the nodes'
+    journals."""
     journals = []
     for node, ranks in ((0, [0, 1]), (1, [2, 3])):
         ckpt_dir = bb_root / str(node) / layout.CKPT_DIR / "run"
@@ -144,7 +147,7 @@ def two_node_save(bb_root, step, when, pfs_root=None, keep_pfs=5):
             step,
             node,
             ranks,
-            lambda rank: {"w": np.full(5, when + rank)},
+            lambda rank: {"w": np.full(elements, when + rank)},
             when,
             user_attrs={},
         )
@@ -174,6 +177,53 @@ def test_drains_commit_one_save_and_report_it_to_waiting_ranks(tmp_path):
     assert drain.step_committed(j1, 7) is True
     with h5py.File(pfs_step / drain.GLOBAL_VIEW, "r") as f:
         np.testing.assert_array_equal(f[layout.rank_dataset("w", 3)][()], np.full(5, 4.5))
+
+
+def resident_pages(path):
+    """How many of ``path``'s pages are in the page cache (mincore of a mapping)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t] + [ctypes.c_int] * 3 + [ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    size, page = path.stat().st_size, os.sysconf("SC_PAGE_SIZE")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert address != ctypes.c_void_p(-1).value, os.strerror(ctypes.get_errno())
+        vector = ctypes.create_string_buffer((size + page - 1) // page)
+        try:
+            assert libc.mincore(address, size, vector) == 0, os.strerror(ctypes.get_errno())
+        finally:
+            libc.munmap(address, size)
+    finally:
+        os.close(fd)
+    return sum(byte & 1 for byte in vector.raw)
+
+
+@pytest.mark.parametrize("verify", ["cache", "device"])
+def test_a_drained_copy_leaves_the_page_cache(tmp_path, verify):
+    """The PFS copies are written, flushed and read back, then dropped from the page cache:
+    left there, every drained checkpoint would hold memory the job needs."""
+    if (
+        subprocess.run(
+            ["stat", "-f", "-c", "%T", tmp_path], capture_output=True, text=True
+        ).stdout.strip()
+        == "tmpfs"
+    ):
+        pytest.skip("on tmpfs the page cache is the file")
+    journals = two_node_save(tmp_path / "bb", 7, 1.5, elements=1 << 19)  # 4 MiB a rank
+    for journal in journals:
+        task_file = drain.task_path(journal, 7)
+        task = json.loads(task_file.read_text())
+        files.write_json_atomic(task_file, {**task, "verify": verify})
+        assert drain.run(journal, None, finish=True, timeout=60) == 0
+    pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
+    assert drain.read_manifest(pfs_step) is not None
+    for node in (0, 1):
+        node_file = pfs_step / layout.node_filename(node)
+        assert node_file.stat().st_size > 8 << 20
+        assert resident_pages(node_file) == 0
 
 
 def test_a_later_job_of_fewer_nodes_never_commits_a_checkpoint_of_more(tmp_path):

@@ -1001,8 +1001,12 @@ def _retired(task: Task) -> bool:
 
 def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -> bool:
     """The second half of draining ``task``: make its copy durable, verify and rename it,
-    commit the checkpoint if this node is the last, apply retention.  True if BB copies
-    are left to trim once other nodes commit.
+    commit the checkpoint if this node is the last, drop the copy from the page cache,
+    apply retention.  True if BB copies are left to trim once other nodes commit.
+
+    Left in the page cache, every drained checkpoint would hold a second copy
+    of itself in the node's memory (a first one when the burst buffer is
+    tmpfs) and push out the job's own pages.
 
     The commit is reported (``commits.settle``) before the task leaves the
     journal, so that :func:`step_committed` always finds the step in one of
@@ -1015,6 +1019,7 @@ def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -
     committed = try_commit(Path(task.pfs_step_dir), task.nodes)
     commits.settle(task, committed)
     _remove_task(journal, task)
+    files.forget_cached_pages(task.target)  # once the waiting ranks know: off their path
     if committed:
         apply_pfs_retention(Path(task.pfs_step_dir).parent, task.keep_pfs)
     return _trim_after(journal, task)

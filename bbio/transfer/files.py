@@ -391,6 +391,18 @@ def checksum_file(path: Path, *, drop_cache: bool = False) -> tuple[int, int]:
         os.close(fd)
 
 
+def forget_cached_pages(path: Path) -> None:
+    """Ask the kernel to drop the clean cached pages of ``path`` (after an fsync they are
+    on the device).  Best effort: a file gone, or a file system that keeps them, is no
+    error."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def checksum_fd(fd: int, path: Path) -> tuple[int, int]:
     """(size, CRC32C) of the bytes of the open file ``fd`` from its offset on (``path``
     names it in errors)."""
