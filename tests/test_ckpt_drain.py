@@ -859,6 +859,34 @@ def test_the_next_checkpoint_is_copied_while_the_previous_one_finishes(tmp_path)
         assert drain.read_manifest(pfs / layout.step_dirname(step))["time"] == when
 
 
+def test_another_nodes_commit_is_seen_while_the_next_checkpoint_is_copied(tmp_path):
+    """Node 0 drained step 7 and is held up copying step 8 (its temporary file on the PFS
+    is a FIFO nobody reads) when node 1 commits step 7: node 0's status says so at once,
+    not once the copy ends."""
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    two_node_save(tmp_path / "bb", 8, 2.5)
+    pfs = tmp_path / "pfs"
+    (task8,) = [t for t in drain.pending(j0) if t.step == 8]
+    copy8 = files.temp_path(task8.target)
+    copy8.parent.mkdir(parents=True)
+    os.mkfifo(copy8)
+    exits = []
+    draining = threading.Thread(target=lambda: exits.append(drain.run(j0, None, True, 60)))
+    draining.start()
+    try:
+        assert _wait_for(lambda: drain.read_status(j0).get("awaiting") == [7])
+        assert drain.run(j1, None, finish=True, timeout=60) == 0  # commits 7; 8 awaits node 0
+        assert drain.read_manifest(pfs / layout.step_dirname(7)) is not None
+        assert _wait_for(lambda: drain.step_committed(j0, 7) is True, seconds=5)
+        assert copy8.is_fifo() and drain.read_status(j0)["state"] == "copying"
+    finally:
+        with contextlib.suppress(OSError):  # the copy's open returns, its write fails: retried
+            os.close(os.open(copy8, os.O_RDONLY | os.O_NONBLOCK))
+        draining.join(60)
+    assert exits == [0]
+    assert drain.read_manifest(pfs / layout.step_dirname(8))["time"] == 2.5
+
+
 def test_the_status_says_copying_while_a_step_finishes_after_another_was_set_aside(tmp_path):
     """Step 7's node file is damaged (set aside once copied), step 8's commit is held up:
     meanwhile the drain reports step 8 in progress, not idle."""

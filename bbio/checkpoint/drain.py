@@ -27,8 +27,9 @@ every node's record is there, take the commit lock, write ``global.h5``
 ``manifest.json`` at once under temporary names, and rename ``global.h5``,
 then ``manifest.json`` last.  The drain reports the
 commit in ``status.json`` (``committed``), and while other nodes have still to
-commit a step it drained (``awaiting``) it looks for their manifest, after a
-tenth of the time it has waited so far (5 to 50 ms): waiting ranks read the
+commit a step it drained (``awaiting``) a thread of its own looks for their
+manifest (also while the drain copies the next checkpoint), after a tenth of
+the time it has waited so far (5 to 50 ms): waiting ranks read the
 status, so one process per node, not every rank, polls the PFS; and they sleep
 on their own FIFO in ``waiters/``, into which the drain writes a byte at each
 new status, so they take no CPU from the copy and learn of the commit at once.  Then PFS
@@ -1063,11 +1064,13 @@ class _Commits:
     background), each with its previous failure; ``rest``: the state when none
     is (idle, retrying a step, stopped).
     :meth:`look` polls the PFS for
-    the awaited ones: the one poller per node.  Its pauses last a tenth of the
-    time awaited so far, from 5 ms up to 50 ms, so a commit is seen at most
-    about a tenth later than it happened, and a long wait costs the PFS 20
-    looks a second.  The drain's loop and its finishing thread share it: every
-    method, and the loop's changes to ``failures``, hold ``lock``.
+    the awaited ones: the one poller per node, on the thread of :meth:`looking`,
+    so that no copy in the drain's loop holds it up.  Its pauses last a tenth
+    of the time awaited so far, from 5 ms up to 50 ms, so a commit is seen at
+    most about a tenth later than it happened, and a long wait costs the PFS
+    20 looks a second.  The drain's loop, its finishing thread and the looking
+    thread share it: every method, and the loop's changes to ``failures``,
+    hold ``lock``.
     """
 
     def __init__(self, journal: Path) -> None:
@@ -1080,6 +1083,7 @@ class _Commits:
         self.failures: dict[tuple[int, float | None], _Failure] = {}
         self.damaged_elsewhere: dict[int, dict[str, Any]] = {}  # awaited, set aside by a node
         self.since = self.next_look = 0.0
+        self.news = threading.Event()  # a step is awaited anew, or the looking stops
 
     def report(self, **rest: Any) -> None:
         """Write the status.  ``state``: "copying" while a task is drained (``step``: the
@@ -1121,7 +1125,8 @@ class _Commits:
             self.report(**(rest or {"state": "idle"}))
 
     def settle(self, task: Task, done: bool) -> None:
-        """``task`` is drained: its step is committed (``done``) or awaits other nodes."""
+        """``task`` is drained: its step is committed (``done``) or awaits other nodes.
+        Either way the awaited steps are looked for again soon."""
         with self.lock:
             self._forget(task.step)
             self.damaged_elsewhere.pop(task.step, None)  # of an earlier save of the step
@@ -1130,6 +1135,9 @@ class _Commits:
             else:
                 self.awaiting[task.step] = task
             self.report()
+            self.since = time.monotonic()
+            self.next_look = self.since + AWAIT_POLL_SECONDS[0]
+        self.news.set()
 
     def look(self) -> None:
         """Poll the PFS for the awaited steps, if the pause since the last look is over."""
@@ -1159,18 +1167,37 @@ class _Commits:
             pause = AWAIT_POLL_SHARE * (now - self.since)
             self.next_look = now + min(max(pause, AWAIT_POLL_SECONDS[0]), AWAIT_POLL_SECONDS[1])
 
-    def until_next_look(self) -> float:
-        """Seconds until :meth:`look` has something to do (inf when nothing is awaited)."""
+    def until_next_look(self) -> float | None:
+        """Seconds until :meth:`look` has something to do (None when nothing is awaited)."""
         with self.lock:
             if not self.awaiting:
-                return float("inf")
+                return None
             return max(self.next_look - time.monotonic(), 0.0)
 
-    def restart_looking(self) -> None:
-        """Look again soon (a task was just drained)."""
-        with self.lock:
-            self.since = time.monotonic()
-            self.next_look = self.since + AWAIT_POLL_SECONDS[0]
+    @contextlib.contextmanager
+    def looking(self) -> Iterator[None]:
+        """Look for the awaited steps on a thread of its own while in this block."""
+        stopping = False
+
+        def look_until_stopped() -> None:
+            while not stopping:
+                try:
+                    self.look()
+                    pause = self.until_next_look()
+                except Exception as exc:  # it outlives a failure (a status unwritten): said
+                    print(f"bbio drain: looking for other nodes' commits: {exc}", file=sys.stderr)
+                    pause = AWAIT_POLL_SECONDS[1]
+                if self.news.wait(pause):
+                    self.news.clear()
+
+        looker = threading.Thread(target=look_until_stopped, name="bbio-drain-look", daemon=True)
+        looker.start()
+        try:
+            yield
+        finally:
+            stopping = True
+            self.news.set()
+            looker.join()
 
     def _forget(self, step: int) -> None:
         self.awaiting.pop(step, None)
@@ -1329,15 +1356,16 @@ def _drain(
             failed(task, failure, exc)
         else:
             trimmed_at = time.monotonic()
-            commits.restart_looking()
             commits.end(task)
 
     commits.report()
-    with ThreadPoolExecutor(1, thread_name_prefix="bbio-drain-finish") as finisher:
+    with (
+        commits.looking(),
+        ThreadPoolExecutor(1, thread_name_prefix="bbio-drain-finish") as finisher,
+    ):
         while True:
             if finishing is not None and finishing.outcome.done():
                 finished()
-            commits.look()
             if time.monotonic() - announced_at > IDLE_TRIM_SECONDS:  # busy or not
                 _announce_set_aside(journal, announced)
                 announced_at = time.monotonic()
@@ -1353,7 +1381,7 @@ def _drain(
                 if finishing.outcome.done():
                     finished()
                 else:
-                    waker.pause(min(POLL_SECONDS, max(commits.until_next_look(), 0.001)))
+                    waker.pause(POLL_SECONDS)
                 continue
             if not tasks:
                 now = time.monotonic()
@@ -1375,15 +1403,14 @@ def _drain(
                             file=sys.stderr,
                         )
                     return 1 if aside else 0
-                waker.pause(min(POLL_SECONDS, max(commits.until_next_look(), 0.001)))
+                waker.pause(POLL_SECONDS)
                 continue
             if not ready:  # every task waits for its next try
                 soonest = min(failures[_task_key(t)].retry_at for t in tasks)
                 if deadline is not None and soonest > deadline:
                     _announce_set_aside(journal, announced)
                     return 1
-                until = min(soonest - now, commits.until_next_look())
-                waker.pause(min(POLL_SECONDS, max(until, 0.001)))
+                waker.pause(min(POLL_SECONDS, max(soonest - now, 0.001)))
                 continue
             task = ready[0]
             with commits.lock:
