@@ -89,6 +89,7 @@ IDLE_TRIM_SECONDS = 1.0
 POLL_SECONDS = 0.02  # the journal is on the BB: a listing costs microseconds
 AWAIT_POLL_SECONDS = (0.005, 0.05)  # shortest and longest pause between looks for others' commits
 AWAIT_POLL_SHARE = 0.1  # between, a pause lasts this share of the time awaited so far
+LOOKER_EXIT_SECONDS = 5.0  # how long a leaving drain waits for a look in progress
 RECENT_COMMITS = 64  # steps the status remembers as committed
 STOPPED = "stopped"
 
@@ -1197,7 +1198,7 @@ class _Commits:
         finally:
             stopping = True
             self.news.set()
-            looker.join()
+            looker.join(LOOKER_EXIT_SECONDS)  # a look stuck on a hung PFS holds no exit
 
     def _forget(self, step: int) -> None:
         self.awaiting.pop(step, None)
