@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from bbio import _native
+from bbio.bench import fs_type
 from bbio.checkpoint import admin, drain, layout, restore
 from bbio.checkpoint.globalview import describe_node_file, global_view, merge_descriptions
 from bbio.checkpoint.writer import file_attrs
@@ -205,12 +206,7 @@ def resident_pages(path):
 def test_a_drained_copy_leaves_the_page_cache(tmp_path, verify):
     """The PFS copies are written, flushed and read back, then dropped from the page cache:
     left there, every drained checkpoint would hold memory the job needs."""
-    if (
-        subprocess.run(
-            ["stat", "-f", "-c", "%T", tmp_path], capture_output=True, text=True
-        ).stdout.strip()
-        == "tmpfs"
-    ):
+    if fs_type(tmp_path) == "tmpfs":
         pytest.skip("on tmpfs the page cache is the file")
     journals = two_node_save(tmp_path / "bb", 7, 1.5, elements=1 << 19)  # 4 MiB a rank
     for journal in journals:
