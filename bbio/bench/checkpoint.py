@@ -58,8 +58,9 @@ one measurement that starts after a barrier:
 * ``pfs-write-node``: raw write+fsync to the PFS as the drain writes: one file
   per node, written by one process per node (the leader writes the node's
   byte count from its own arrays) while the other ranks wait.
-* ``pfs-commit``: the floor of what the issue asks of a drain, with no bbio
-  code but the native CRC32C: as ``pfs-write-node``, but each leader makes the
+* ``pfs-commit``: the floor of what the issue asks of a drain, with none of
+  the drain's code (only the transfer layer's durable writes and read-back
+  checksum): as ``pfs-write-node``, but each leader makes the
   step directory and writes under a temporary name, reads the file back with
   its CRC32C in a thread during the fsync (as the drain verifies), renames it
   and fsyncs the directory; once every node's file is in place (a barrier, no
@@ -108,7 +109,6 @@ from pathlib import Path
 import numpy as np
 
 import bbio.bench as bench
-from bbio import _native
 from bbio.bench import (
     BenchContext,
     MiB,
@@ -127,6 +127,7 @@ from bbio.checkpoint.checkpointer import Checkpointer
 from bbio.config import Config
 from bbio.errors import UsageError
 from bbio.mpi import topology
+from bbio.transfer import files
 
 FULL_SIZES = (16 * MiB, 64 * MiB, 256 * MiB)
 QUICK_SIZES = (16 * MiB, 64 * MiB)
@@ -173,7 +174,6 @@ KEEP_BB = 1
 STREAM_SAVES = 4
 MANIFEST_BYTES = 1024  # a bbio manifest of two nodes' files is about 400 bytes
 VIEW_BYTES = 20 << 10  # global.h5 of the suite's two nodes of 2 x 4 arrays
-READ_BACK_BYTES = 4 << 20
 
 
 def _sizes(text: str) -> list[int]:
@@ -291,34 +291,6 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _temp_of(path: Path) -> Path:
-    return path.with_name(f".{path.name}.part")
-
-
-def _write_durably(path: Path, nbytes: int) -> None:
-    """Create ``path`` with ``nbytes`` zeros, fsync, close."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.write(fd, bytes(nbytes))
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _read_back(path: Path) -> tuple[int, int]:
-    """Read ``path`` through a descriptor of its own: its (size, CRC32C)."""
-    buffer = bytearray(READ_BACK_BYTES)
-    fd = os.open(path, os.O_RDONLY)
-    size = crc = 0
-    try:
-        while n := os.readv(fd, [buffer]):
-            crc = _native.crc32c(memoryview(buffer)[:n], crc)
-            size += n
-    finally:
-        os.close(fd)
-    return size, crc
 
 
 def _remove(path: Path) -> None:
@@ -558,12 +530,12 @@ class CheckpointBench:
         start = time.perf_counter()
         if self.leader:
             step_dir.mkdir(exist_ok=True)
-            temp = _temp_of(node_file)
+            temp = files.temp_path(node_file)
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
                 write_bytes(fd, arrays, node_bytes)
                 with ThreadPoolExecutor(1) as pool:
-                    reading = pool.submit(_read_back, temp)
+                    reading = pool.submit(files.checksum_file, temp)
                     os.fsync(fd)
                 size, _ = reading.result()  # the CRC32C is computed for its cost
                 if size != node_bytes:
@@ -575,11 +547,11 @@ class CheckpointBench:
         idle_barrier(self.comm)  # every node's file is in place
         if self.rank == 0:
             with ThreadPoolExecutor(1) as pool:
-                viewing = pool.submit(_write_durably, _temp_of(view), VIEW_BYTES)
-                _write_durably(_temp_of(manifest), MANIFEST_BYTES)
+                viewing = pool.submit(files.write_durably, files.temp_path(view), bytes(VIEW_BYTES))
+                files.write_durably(files.temp_path(manifest), bytes(MANIFEST_BYTES))
                 viewing.result()
-            os.rename(_temp_of(view), view)
-            os.rename(_temp_of(manifest), manifest)
+            os.rename(files.temp_path(view), view)
+            os.rename(files.temp_path(manifest), manifest)
             _fsync_path(step_dir)
         seconds = time.perf_counter() - start
         idle_barrier(self.comm)
