@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -314,6 +315,55 @@ def test_a_commit_lock_just_created_by_another_node_is_waited_for_not_an_error(t
     assert drain.read_manifest(pfs_step) is None  # the lock's owner commits
     (pfs_step / drain.COMMIT_LOCK).unlink()
     assert drain.try_commit(pfs_step, 2) is True
+
+
+def test_a_commit_takes_the_records_its_caller_just_renamed_into_place(tmp_path):
+    """The last node's drain commits with its own record in hand, as renamed on the PFS,
+    and reads only the other nodes' records there."""
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
+    assert drain.run(j0, None, finish=True, timeout=60) == 0
+    copying = drain.start_copy(drain.pending(j1)[0])
+    assert copying.finish(j1) is not None
+    record_path = pfs_step / layout.node_record_name(1)
+    assert copying.pfs_record == files.read_json(record_path)
+    record_path.unlink()
+    assert drain.try_commit(pfs_step, 2) is False  # not every node's record is there
+    assert drain.try_commit(pfs_step, 2, {1: copying.pfs_record}) is True
+    assert drain.read_manifest(pfs_step)["files"][1]["crc32c"] == copying.pfs_record["crc32c"]
+
+
+def test_the_drain_knows_whether_it_made_the_steps_directory(tmp_path):
+    """A directory the drain made holds no other node's marker: it is not looked in."""
+    step_dir = tmp_path / "pfs" / "run" / layout.step_dirname(7)
+    assert drain._make_step_dir(step_dir) is True
+    assert drain._make_step_dir(step_dir) is False
+    (tmp_path / "a-file").write_bytes(b"")
+    with pytest.raises(BBIOError, match="a-file"):
+        drain._make_step_dir(tmp_path / "a-file" / layout.step_dirname(7))
+
+
+def test_looks_for_damaged_markers_are_fewer_than_looks_for_commits(tmp_path):
+    """While a commit is awaited, the manifest is looked for every 5 ms at first, another
+    node's damaged-file marker at most every 50 ms."""
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    task = drain.pending(j0)[0]
+    pfs_step = Path(task.pfs_step_dir)
+    pfs_step.mkdir(parents=True)
+    commits = drain._Commits(j0)
+    commits.settle(task, False)
+    commits.next_look = 0.0
+    first = time.monotonic()
+    commits.look()  # nothing yet
+    files.write_json_atomic(drain.damaged_on_pfs(pfs_step), {"time": 1.5, "node": 1, "why": "x"})
+    commits.next_look = 0.0
+    commits.look()  # within 50 ms of the last look for markers: only the manifest
+    if time.monotonic() - first < drain.AWAIT_POLL_SECONDS[1]:  # not on a stalled machine
+        assert commits.damaged_elsewhere == {} and commits.awaiting.keys() == {7}
+    time.sleep(drain.AWAIT_POLL_SECONDS[1])
+    commits.next_look = 0.0
+    commits.look()
+    assert commits.damaged_elsewhere[7]["node"] == 1 and commits.awaiting == {}
 
 
 def test_an_idle_drain_wakes_up_when_a_task_is_added(tmp_path):

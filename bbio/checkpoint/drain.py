@@ -492,6 +492,7 @@ class NodeCopy:
         self.pool = ThreadPoolExecutor(1)
         self.described: list[futures.Future] = []
         self.copied: _native.CopyResult | None = None
+        self.pfs_record = drained  # as renamed into place on the PFS, once it is
 
     def copy(self) -> None:
         """Not collective: copy the bytes to the temporary name, describing the file
@@ -574,6 +575,7 @@ class NodeCopy:
         if not task.is_save_of(contents) or now is None or not task.is_save_of(now):
             return None  # saved again during the copy: never renamed over the new save's file
         files.commit([], sealed=[task.target, self.record_path])  # the file, then its record
+        self.pfs_record = {**record, "contents": contents}
         return record
 
 
@@ -671,7 +673,9 @@ def _take_commit_lock(step_dir: Path) -> Path | None:
     return None
 
 
-def try_commit(step_dir: Path, nodes: int) -> bool:
+def try_commit(
+    step_dir: Path, nodes: int, known: dict[int, dict[str, Any] | None] | None = None
+) -> bool:
     """Commit the checkpoint in ``step_dir`` if every node's file of one save is there.
 
     Idempotent.  Returns True if it is committed (now or before).  Records of
@@ -679,9 +683,13 @@ def try_commit(step_dir: Path, nodes: int) -> bool:
     together, and a manifest of an older save is replaced; nor are files saved
     by another node count than ``nodes`` (a later job's ``target.json``).  PFS
     retention is the caller's next step (:func:`apply_pfs_retention`), once it
-    has said so.
+    has said so.  ``known``: node records the caller has just renamed into place
+    (not read again).
     """
-    records = [files.read_json(step_dir / layout.node_record_name(n)) for n in range(nodes)]
+    known = known or {}
+    records = [
+        known.get(n) or files.read_json(step_dir / layout.node_record_name(n)) for n in range(nodes)
+    ]
     if any(r is None for r in records):
         return False
     saves = {r.get("time") for r in records}
@@ -969,7 +977,11 @@ def _begin(journal: Path, task: Task) -> NodeCopy | None:
     if _retired(task):
         _remove_task(journal, task)  # committed, then deleted by PFS retention since: done
         return None
-    elsewhere = damaged_save(Path(task.pfs_step_dir), task.save_time)
+    if not task.is_save_of(files.read_json(bb_record)):
+        _not_copied(journal, task)  # saved again or withdrawn: before any mkdir on the PFS
+        return None
+    made = _make_step_dir(Path(task.pfs_step_dir))
+    elsewhere = None if made else damaged_save(Path(task.pfs_step_dir), task.save_time)
     if elsewhere is not None:  # another node's file of this save is damaged: never commits
         _set_aside(journal, task, str(elsewhere.get("why")), elsewhere.get("node"))
         return None
@@ -977,6 +989,20 @@ def _begin(journal: Path, task: Task) -> NodeCopy | None:
     if copying is None:
         _not_copied(journal, task)
     return copying
+
+
+def _make_step_dir(step_dir: Path) -> bool:
+    """Create the PFS ``step_dir`` (and its parents) if it is missing.  True if this call
+    made it: then no other node's damaged-file marker can be in it yet, and the drain
+    need not look for one (a missing name is slow to look up on a PFS).  Not
+    collective."""
+    try:
+        step_dir.mkdir(parents=True)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        raise from_oserror(exc, "create the checkpoint's directory", step_dir) from None
+    return True
 
 
 def _retired(task: Task) -> bool:
@@ -1018,7 +1044,7 @@ def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -
         _not_copied(journal, task)
         return False
     set_aside_path(journal, task.step).unlink(missing_ok=True)  # of an earlier save, if any
-    committed = try_commit(Path(task.pfs_step_dir), task.nodes)
+    committed = try_commit(Path(task.pfs_step_dir), task.nodes, {task.node: copying.pfs_record})
     commits.settle(task, committed)
     _remove_task(journal, task)
     files.forget_cached_pages(task.target)  # once the waiting ranks know: off their path
@@ -1069,9 +1095,11 @@ class _Commits:
     so that no copy in the drain's loop holds it up.  Its pauses last a tenth
     of the time awaited so far, from 5 ms up to 50 ms, so a commit is seen at
     most about a tenth later than it happened, and a long wait costs the PFS
-    20 looks a second.  The drain's loop, its finishing thread and the looking
-    thread share it: every method, and the loop's changes to ``failures``,
-    hold ``lock``.
+    20 looks a second.  It looks for another node's damaged-file marker at
+    most every 50 ms: that is rare and no commit waits on it, while each look
+    takes the PFS from the committing node.  The drain's loop, its finishing
+    thread and the looking thread share it: every method, and the loop's
+    changes to ``failures``, hold ``lock``.
     """
 
     def __init__(self, journal: Path) -> None:
@@ -1083,7 +1111,7 @@ class _Commits:
         self.committed: list[int] = []
         self.failures: dict[tuple[int, float | None], _Failure] = {}
         self.damaged_elsewhere: dict[int, dict[str, Any]] = {}  # awaited, set aside by a node
-        self.since = self.next_look = 0.0
+        self.since = self.next_look = self.next_damaged_look = 0.0
         self.news = threading.Event()  # a step is awaited anew, or the looking stops
 
     def report(self, **rest: Any) -> None:
@@ -1148,12 +1176,15 @@ class _Commits:
                 return
             awaited = dict(self.awaiting)
         seen = {step for step, task in awaited.items() if _is_committed(task)}
-        damaged = {
-            step: marker
-            for step, task in awaited.items()
-            if step not in seen
-            and (marker := damaged_save(Path(task.pfs_step_dir), task.save_time)) is not None
-        }  # another node's file of this save is damaged
+        damaged = {}
+        if now >= self.next_damaged_look:  # rare, and no commit waits on it: less often
+            damaged = {
+                step: marker
+                for step, task in awaited.items()
+                if step not in seen
+                and (marker := damaged_save(Path(task.pfs_step_dir), task.save_time)) is not None
+            }  # another node's file of this save is damaged
+            self.next_damaged_look = now + AWAIT_POLL_SECONDS[1]
         with self.lock:
             still = {step for step, task in self.awaiting.items() if awaited.get(step) is task}
             for step in seen & still:
