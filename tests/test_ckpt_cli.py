@@ -38,6 +38,25 @@ JOB = textwrap.dedent(
             threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
         ckpt.save(2, state(2, 4 << 20))  # 512 MiB per rank: still writing at 0.3 s
         ckpt.close()
+    elif action == "die-while-recording":  # the leaders die before the nth bookkeeping write
+        from bbio.checkpoint import drain, layout
+        from bbio.transfer import files
+
+        ckpt.save(1, state(1, 1000)).wait(timeout=60)
+        nth, written, write = int(sys.argv[3]), [], files.write_json_atomic
+        task = drain.task_path(ckpt.journal, 2)
+        record = ckpt.bb_dir / layout.step_dirname(2) / layout.node_record_name(ckpt.node)
+
+        def write_unless_killed(path, *args, **kwargs):
+            if path in (task, record):
+                written.append(path)
+                if len(written) == nth:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            write(path, *args, **kwargs)
+
+        files.write_json_atomic = write_unless_killed
+        ckpt.save(2, state(2, 1000))
+        ckpt.close()
     elif action == "raise-inside-with":
         with ckpt:
             ckpt.save(1, state(1, 1000))
@@ -189,6 +208,28 @@ def test_wait_without_a_copy_here_suggests_step(tmp_path):
 def test_a_rank_killed_during_save_never_leaves_a_restorable_partial_checkpoint(tmp_path, job):
     died = run_mpi(4, str(job), str(tmp_path), "die-while-saving", timeout=300)
     assert died.returncode != 0, "rank 1 was supposed to be killed"
+    restored = run_mpi(4, str(job), str(tmp_path), "restore", timeout=300)
+    assert restored.returncode == 0, restored.stdout + restored.stderr
+    assert "restored step 1 rows 1000" in restored.stdout
+
+
+@pytest.mark.timeout(900)  # three jobs of up to 300 s each
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_save_killed_between_its_task_and_its_record_is_neither_restored_nor_drained(
+    tmp_path, job, nth
+):
+    """The job dies before the nth of a save's two bookkeeping writes on each node (its
+    drain's task, its node's record): after the epilog, the restore takes the newest
+    committed checkpoint, which a save the drains could not commit must never outdo."""
+    died = run_mpi(4, str(job), str(tmp_path), "die-while-recording", str(nth), timeout=300)
+    assert died.returncode != 0, "the node leaders were supposed to be killed"
+    for node in (0, 1):
+        finished = bbio_ckpt(tmp_path, "drain", "--finish", "--timeout", "120", node=node)
+        assert finished.returncode == 0, finished.stdout + finished.stderr
+        assert "set aside" not in finished.stderr, finished.stderr
+    pfs = tmp_path / "pfs" / "ckpt" / "run"
+    assert (pfs / "step-00000001" / "manifest.json").exists()
+    assert not (pfs / "step-00000002" / "manifest.json").exists()
     restored = run_mpi(4, str(job), str(tmp_path), "restore", timeout=300)
     assert restored.returncode == 0, restored.stdout + restored.stderr
     assert "restored step 1 rows 1000" in restored.stdout

@@ -795,6 +795,39 @@ def test_a_task_of_a_save_withdrawn_meanwhile_is_dropped_not_set_aside(tmp_path)
     assert drain.read_damaged(tmp_path / "pfs" / layout.step_dirname(7)) is None
 
 
+def test_a_task_whose_save_was_killed_before_it_recorded_its_copy_is_dropped(tmp_path):
+    """A save queues its task, then writes its node's record: a job killed in between
+    leaves a node file no restore takes, so the drain drops the task without copying."""
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    (task,) = drain.pending(j0)
+    (task.source.parent / layout.node_record_name(0)).unlink()
+    assert drain.run(j0, None, finish=True, timeout=30) == 0
+    assert drain.pending(j0) == [] and not drain.set_aside_path(j0, 7).exists()
+    assert not (tmp_path / "pfs" / layout.step_dirname(7)).exists()  # nothing copied
+    assert 7 not in restore.bb_copies(task.source.parent.parent, 0)
+
+
+def test_a_drain_that_finds_a_task_before_its_record_waits_for_the_saving_node(tmp_path):
+    """Between the task and the record, the saving node holds the records' lock: a drain
+    taking the task then waits for the record instead of dropping the task."""
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    (task,) = drain.pending(j0)
+    record_path = task.source.parent / layout.node_record_name(0)
+    record = files.read_json(record_path)
+    began = []
+    with drain.records_locked(j0):  # as the saving node's leader holds it
+        record_path.unlink()
+        taking = threading.Thread(target=lambda: began.append(drain._begin(j0, task)))
+        taking.start()
+        taking.join(0.5)
+        assert taking.is_alive(), "the drain decided without the saving node's lock"
+        files.write_json_atomic(record_path, record)
+    taking.join(30)
+    (copying,) = began
+    assert copying is not None and drain.pending(j0) == [task]
+    copying.abandon()
+
+
 def test_a_task_without_its_copy_is_set_aside_unless_its_save_is_committed(tmp_path):
     j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
     task = drain.pending(j0)[0]

@@ -435,8 +435,9 @@ class Checkpointer:
 
     def _drop_copies(self, step: int, step_dir: Path) -> None:
         """Rank 0 uncommits ``step`` on the PFS (manifest, a damaged save's marker, then every
-        node's record); each node leader drops its queued task and its node's record, file
-        and temporary file in ``step_dir``."""
+        node's record); each node leader drops its node's record (first: a task without
+        one is never drained), its queued task, and its file and temporary file in
+        ``step_dir``."""
         if self.rank == 0:
             pfs_step = self.pfs_dir / layout.step_dirname(step)
             drain.manifest_path(pfs_step).unlink(missing_ok=True)
@@ -445,9 +446,9 @@ class Checkpointer:
                 (pfs_step / layout.node_record_name(n)).unlink(missing_ok=True)
         if self.topo.is_leader:
             with drain.records_locked(self.journal):  # not while a drain records this step
-                drain.task_path(self.journal, step).unlink(missing_ok=True)
                 record, node_file = (step_dir / name for name in layout.node_copy_names(self.node))
-                for path in (record, node_file, files.temp_path(node_file)):
+                task = drain.task_path(self.journal, step)  # after the record: see _record
+                for path in (record, task, node_file, files.temp_path(node_file)):
                     path.unlink(missing_ok=True)
 
     def _claim_spare(self, key: str | None, target: Path) -> bool:
@@ -509,8 +510,8 @@ class Checkpointer:
             when,
         )
         with drain.records_locked(self.journal):  # not while a drain records this step
-            files.write_json_atomic(record_path, record)
-            drain.add_task(self.journal, task)
+            drain.add_task(self.journal, task)  # first: killed in between, the save leaves
+            files.write_json_atomic(record_path, record)  # no record, so nothing takes it
 
     def _busy(self) -> bool:
         """Collective: does any node still have checkpoints to drain?  A node leader whose

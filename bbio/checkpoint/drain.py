@@ -961,8 +961,8 @@ def _trim_after(journal: Path, task: Task, recycle: bool = True) -> bool:
 def _begin(journal: Path, task: Task) -> NodeCopy | None:
     """The first half of draining ``task``: its checks and the copy of its bytes (see
     :func:`start_copy`).  None if there is nothing to finish (done before, set aside,
-    withdrawn, or saved again: its new task copies the new file); the caller reports
-    it."""
+    withdrawn, never recorded, or saved again: its new task copies the new file); the
+    caller reports it."""
     bb_record = Path(task.bb_step_dir) / layout.node_record_name(task.node)
     if not task.source.exists() and files.read_json(bb_record) is None:
         if committed_save(Path(task.pfs_step_dir), task.save_time):
@@ -973,6 +973,8 @@ def _begin(journal: Path, task: Task) -> NodeCopy | None:
             return None  # the save was withdrawn (it failed) or replaced: not damage
         gone = f"its burst-buffer copy is gone (no {task.source} nor its record)"
         _set_aside(journal, task, gone)  # never drainable; said, not retried for ever
+        return None
+    if _never_recorded(journal, task):
         return None
     if _retired(task):
         _remove_task(journal, task)  # committed, then deleted by PFS retention since: done
@@ -989,6 +991,23 @@ def _begin(journal: Path, task: Task) -> NodeCopy | None:
     if copying is None:
         _not_copied(journal, task)
     return copying
+
+
+def _never_recorded(journal: Path, task: Task) -> bool:
+    """True if ``task``'s save never recorded this node's copy: the job was killed after
+    the save queued the task and before it wrote the node's burst-buffer record.  The
+    task is dropped, not set aside: that save never returned, and without its record no
+    restore takes the copy, so no drain commits it either.  A save queues its task and
+    writes its record under :func:`records_locked`, so a drain that finds no record
+    takes that lock before it looks again.  Not collective."""
+    bb_record = Path(task.bb_step_dir) / layout.node_record_name(task.node)
+    if files.read_json(bb_record) is not None:
+        return False
+    with records_locked(journal):
+        if files.read_json(bb_record) is not None:
+            return False
+        _remove_task(journal, task)
+    return True
 
 
 def _make_step_dir(step_dir: Path) -> bool:
