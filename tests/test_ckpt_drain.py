@@ -333,6 +333,35 @@ def test_a_commit_takes_the_records_its_caller_just_renamed_into_place(tmp_path)
     assert drain.read_manifest(pfs_step)["files"][1]["crc32c"] == copying.pfs_record["crc32c"]
 
 
+def test_a_commit_is_reported_under_its_lock_and_a_repeated_one_renames_nothing(tmp_path):
+    """The committer reports the commit while it still holds the commit lock (its ranks
+    learn it sooner); a commit of a step committed before leaves the manifest and no
+    temporary file; a damaged manifest is replaced; with the lock held by another node,
+    a committed step is still reported."""
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
+    assert drain.run(j0, None, finish=True, timeout=60) == 0  # node 1 not copied yet
+    assert drain.start_copy(drain.pending(j1)[0]).finish(j1) is not None
+    lock = pfs_step / drain.COMMIT_LOCK
+    seen = []
+
+    def report():
+        seen.append((lock.exists(), drain.committed_save(pfs_step, 1.5)))
+
+    assert drain.try_commit(pfs_step, 2, on_commit=report) is True
+    assert seen == [(True, True)] and not lock.exists()
+    manifest = drain.manifest_path(pfs_step)
+    first = manifest.stat().st_ino
+    assert drain.try_commit(pfs_step, 2, on_commit=report) is True
+    assert seen[1] == (True, True) and manifest.stat().st_ino == first
+    assert not [p.name for p in pfs_step.iterdir() if files.is_temp_name(p.name)]
+    manifest.write_text("{garbage")
+    assert drain.try_commit(pfs_step, 2) is True
+    assert drain.read_manifest(pfs_step)["time"] == 1.5
+    lock.touch()  # another node's committer, just started
+    assert drain.try_commit(pfs_step, 2, on_commit=report) is True and len(seen) == 3
+
+
 def test_the_drain_knows_whether_it_made_the_steps_directory(tmp_path):
     """A directory the drain made holds no other node's marker: it is not looked in."""
     step_dir = tmp_path / "pfs" / "run" / layout.step_dirname(7)

@@ -62,7 +62,7 @@ import stat
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -674,7 +674,10 @@ def _take_commit_lock(step_dir: Path) -> Path | None:
 
 
 def try_commit(
-    step_dir: Path, nodes: int, known: dict[int, dict[str, Any] | None] | None = None
+    step_dir: Path,
+    nodes: int,
+    known: dict[int, dict[str, Any] | None] | None = None,
+    on_commit: Callable[[], object] = lambda: None,
 ) -> bool:
     """Commit the checkpoint in ``step_dir`` if every node's file of one save is there.
 
@@ -684,7 +687,9 @@ def try_commit(
     by another node count than ``nodes`` (a later job's ``target.json``).  PFS
     retention is the caller's next step (:func:`apply_pfs_retention`), once it
     has said so.  ``known``: node records the caller has just renamed into place
-    (not read again).
+    (not read again).  ``on_commit`` is called once the step is known to be
+    committed, before this call gives its commit lock up: a drain reports the
+    commit that much sooner.
     """
     known = known or {}
     records = [
@@ -698,65 +703,104 @@ def try_commit(
     if {(r.get("contents") or {}).get("nodes", nodes) for r in records} != {nodes}:
         return False  # saved by another node count (a later job's target): its own drains commit
     save = saves.pop()
-    if committed_save(step_dir, save):
-        return True
+    view, manifest = _commit_documents(step_dir, nodes, records)
     lock = _take_commit_lock(step_dir)
-    if lock is None:
-        return False  # another node's drain is committing it
+    if lock is None:  # another node's drain commits it, or has
+        committed = committed_save(step_dir, save)
+        if committed:
+            on_commit()
+        return committed
     try:
-        if committed_save(step_dir, save):
-            return True
-        manifest_path(step_dir).unlink(missing_ok=True)  # of an older save, if any
-        contents = [
-            r.get("contents") or describe_node_file(step_dir / layout.node_filename(n), n)
-            for n, r in enumerate(records)
-        ]
-        meta = merge_descriptions(contents, step_dir)
-        view, view_crc = global_view(meta)
-        manifest = {
-            "format": MANIFEST_FORMAT,
-            "step": meta["step"],
-            "time": meta["time"],
-            "ranks": meta["ranks"],
-            "nodes": nodes,
-            "layout": meta["layout"],
-            "rank_nodes": meta["rank_nodes"],
-            "global_shapes": meta["global_shapes"],
-            "attrs": meta["user_attrs"],
-            "bbio": meta["bbio"],
-            "files": [
-                {"path": layout.node_filename(n), **_file_entry(records[n])} for n in range(nodes)
-            ]
-            + [{"path": GLOBAL_VIEW, "size": len(view), "crc32c": view_crc}],
-        }
-        _write_view_then_manifest(step_dir, view, manifest)
+        _write_view_then_manifest(step_dir, view, manifest, save)
+        on_commit()
     finally:
         lock.unlink(missing_ok=True)
     return True
 
 
-def _write_view_then_manifest(step_dir: Path, view: bytes, manifest: dict[str, Any]) -> None:
-    """Write ``global.h5`` and the manifest durably at once under temporary names of
-    their own (a committer that took a lock judged stale never shares them), and fsync
-    the checkpointer's directory (the step's entry in it); then rename ``global.h5``,
-    fsync the step's directory, and rename the manifest last."""
+def _commit_documents(
+    step_dir: Path, nodes: int, records: list[dict[str, Any]]
+) -> tuple[bytes, dict[str, Any]]:
+    """``global.h5`` (its bytes) and the manifest of the checkpoint in ``step_dir`` whose
+    node ``records`` are all there."""
+    contents = [
+        r.get("contents") or describe_node_file(step_dir / layout.node_filename(n), n)
+        for n, r in enumerate(records)
+    ]
+    meta = merge_descriptions(contents, step_dir)
+    view, view_crc = global_view(meta)
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "step": meta["step"],
+        "time": meta["time"],
+        "ranks": meta["ranks"],
+        "nodes": nodes,
+        "layout": meta["layout"],
+        "rank_nodes": meta["rank_nodes"],
+        "global_shapes": meta["global_shapes"],
+        "attrs": meta["user_attrs"],
+        "bbio": meta["bbio"],
+        "files": [
+            {"path": layout.node_filename(n), **_file_entry(records[n])} for n in range(nodes)
+        ]
+        + [{"path": GLOBAL_VIEW, "size": len(view), "crc32c": view_crc}],
+    }
+    return view, manifest
+
+
+def _write_view_then_manifest(
+    step_dir: Path, view: bytes, manifest: dict[str, Any], save: float | None
+) -> None:
+    """Under the commit lock: write ``global.h5`` and the manifest durably at once under
+    temporary names of their own (a committer that took a lock judged stale never
+    shares them), fsync the checkpointer's directory (the step's entry in it), and
+    meanwhile read the manifest in place.  Unless that one is of this ``save`` already
+    (then the new files are dropped), remove it (of an older save, or damaged), rename
+    ``global.h5``, fsync the step's directory, and rename the manifest last."""
     document = json.dumps(manifest, separators=(",", ":")).encode()
     view_temp = files.unique_temp_path(step_dir / GLOBAL_VIEW)
     manifest_temp = files.unique_temp_path(manifest_path(step_dir))
     try:
-        with ThreadPoolExecutor(1) as pool:
-            viewing = pool.submit(files.write_durably, view_temp, view)
+        with ThreadPoolExecutor(2) as pool:
+            writes = [
+                pool.submit(files.write_durably, view_temp, view),
+                pool.submit(_write_with_entry, manifest_temp, document, step_dir),
+            ]
             try:
-                files.write_durably(manifest_temp, document)
-                files.fsync_dirs([step_dir.parent])  # the step's own entry, made by a mkdir
+                in_place, current = _manifest_in_place(step_dir)
             finally:
-                futures.wait([viewing])
-            viewing.result()
+                futures.wait(writes)
+            for write in writes:
+                write.result()
+        if current is not None and current.get("time") == save:
+            _discard(view_temp, manifest_temp)  # committed before, by a committer now gone
+            return
+        if in_place:
+            manifest_path(step_dir).unlink(missing_ok=True)
         files.rename_durably(view_temp, step_dir / GLOBAL_VIEW)
         files.rename_durably(manifest_temp, manifest_path(step_dir))
     except BaseException:
         _discard(view_temp, manifest_temp)
         raise
+
+
+def _write_with_entry(path: Path, data: bytes, step_dir: Path) -> None:
+    """Write ``data`` durably to ``path``, then fsync the directory above ``step_dir``
+    (the step's own entry, made by a mkdir)."""
+    files.write_durably(path, data)
+    files.fsync_dirs([step_dir.parent])
+
+
+def _manifest_in_place(step_dir: Path) -> tuple[bool, dict[str, Any] | None]:
+    """Is there a manifest in ``step_dir``, and the sound one it is (None if damaged or
+    not a manifest)?  Not collective."""
+    try:
+        document = files.read_json(manifest_path(step_dir))
+    except IntegrityError:
+        return True, None
+    if document is None:
+        return False, None
+    return True, document if document.get("format") == MANIFEST_FORMAT else None
 
 
 def committed_save(step_dir: Path, save: float | None = None) -> bool:
@@ -1063,8 +1107,14 @@ def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -
         _not_copied(journal, task)
         return False
     set_aside_path(journal, task.step).unlink(missing_ok=True)  # of an earlier save, if any
-    committed = try_commit(Path(task.pfs_step_dir), task.nodes, {task.node: copying.pfs_record})
-    commits.settle(task, committed)
+    committed = try_commit(
+        Path(task.pfs_step_dir),
+        task.nodes,
+        {task.node: copying.pfs_record},
+        on_commit=lambda: commits.settle(task, True),
+    )
+    if not committed:
+        commits.settle(task, False)
     _remove_task(journal, task)
     files.forget_cached_pages(task.target)  # once the waiting ranks know: off their path
     if committed:
