@@ -17,7 +17,7 @@ TIMEOUT := timeout --signal=TERM --kill-after=30
 
 CSRC := $(wildcard csrc/*.c csrc/*.h csrc/*.py)
 
-.PHONY: setup demo test test-serial test-mpi lint cwarn bench clean
+.PHONY: setup demo test test-serial test-mpi lint cwarn bench slurm-check clean
 
 setup: $(READY)
 
@@ -46,6 +46,11 @@ test-mpi: $(READY)
 
 bench: $(READY)
 	$(MPIRUN) -n 1 --bind-to none $(PY) -m bbio.bench copy --json docs/bench/copy.json
+
+# a real Slurm on this machine (root): one node, then two nodes in namespaces
+slurm-check: $(READY)
+	$(TIMEOUT) 600 ./scripts/slurm-hooks-check.sh
+	$(TIMEOUT) 600 ./scripts/slurm-cluster-check.sh
 
 clean:
 	rm -rf build *.egg-info bbio/_bbio_native*.so work $(READY)

@@ -33,14 +33,8 @@ die() { say "FAILED: $*"; exit 1; }
 [ -x "$REPO/.venv/bin/bbio" ] || die "no $REPO/.venv/bin/bbio: run make setup first"
 [ "$S" != / ] || die "refusing / as the state directory"
 
-stop_pid() {  # stop a daemon by its PID file, never by name
-    local file=$1 pid
-    [ -s "$file" ] || return 0
-    pid=$(cat "$file")
-    kill "$pid" 2>/dev/null || return 0
-    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || return 0; sleep 0.1; done
-    kill -9 "$pid" 2>/dev/null || true
-}
+# shellcheck source=scripts/slurm-common.sh
+source "$REPO/scripts/slurm-common.sh"
 MARK=$S/.bbio-slurm-hooks-check   # proves that $S was made by this script
 teardown() {  # only a directory this script made: its PID files, its user, its files
     [ -e "$MARK" ] || return 0
@@ -71,65 +65,22 @@ if ! id "$USER_NAME" >/dev/null 2>&1; then
 fi
 install -d -o "$USER_NAME" -m 0755 "$S/home/$USER_NAME" "$S/pfs/$USER_NAME"
 
-# munge, with its key and socket under $S
-install -d -o munge -g munge -m 0755 "$S/munge"
-mungekey --create --keyfile="$S/munge/munge.key" --force
-chown munge:munge "$S/munge/munge.key"
-chmod 0400 "$S/munge/munge.key"
-MSOCK=$S/munge/munge.socket.2
-runuser -u munge -- /usr/sbin/munged --key-file="$S/munge/munge.key" --socket="$MSOCK" \
-    --pid-file="$S/munge/munged.pid" --log-file="$S/munge/munged.log" \
-    --seed-file="$S/munge/munged.seed"
-
-# the site's bbio configuration, and the hooks as an admin installs them (BBIO_HOME set)
-cat > "$S/etc/bbio.toml" <<EOF
-bb_root = "$S/local/bbio/{job}"
-pfs_root = "$S/pfs/{user}"
-EOF
-for hook in prolog epilog; do
-    cat > "$S/etc/$hook.sh" <<EOF
-#!/bin/bash
-export BBIO_HOME=$REPO BBIO_CONFIG=$S/etc/bbio.toml BBIO_EPILOG_TIMEOUT=5
-$REPO/jobscripts/slurm-$hook.sh > $S/out/$hook.\$SLURM_JOB_ID 2>&1
-EOF
-done
-chmod 755 "$S"/etc/*.sh
+MSOCK=$(start_munge "$S")
+install_hooks "$S" "$REPO" "$S/local/bbio/{job}" 5 ""
 
 HOST=$(hostname -s)
 NODE=$(slurmd -C | head -1 | sed "s/^NodeName=[^ ]*/NodeName=$HOST NodeAddr=127.0.0.1/")
-cat > "$S/etc/slurm.conf" <<EOF
-ClusterName=bbiohooks
-MailProg=/bin/true
-SlurmctldHost=$HOST(127.0.0.1)
-SlurmUser=root
-AuthType=auth/munge
-CredType=cred/munge
-AuthInfo=socket=$MSOCK
-StateSaveLocation=$S/state
-SlurmdSpoolDir=$S/spool
-SlurmctldPidFile=$S/run/slurmctld.pid
-SlurmdPidFile=$S/run/slurmd.pid
-SlurmctldLogFile=$S/log/slurmctld.log
-SlurmdLogFile=$S/log/slurmd.log
-SlurmctldPort=6817
-SlurmdPort=6818
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-JobCompType=jobcomp/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
-MpiDefault=none
-Prolog=$S/etc/prolog.sh
-Epilog=$S/etc/epilog.sh
-PrologFlags=Alloc
-ReturnToService=2
-InactiveLimit=0
-KillWait=5
-$NODE State=UNKNOWN
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-EOF
+{
+    echo "ClusterName=bbiohooks"
+    echo "SlurmctldHost=$HOST(127.0.0.1)"
+    echo "SlurmdSpoolDir=$S/spool"
+    echo "SlurmdPidFile=$S/run/slurmd.pid"
+    echo "SlurmdLogFile=$S/log/slurmd.log"
+    echo "MpiDefault=none"
+    slurm_conf_common "$S" "$MSOCK"
+    echo "$NODE State=UNKNOWN"
+    echo "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP"
+} > "$S/etc/slurm.conf"
 chmod 644 "$S/etc/slurm.conf"
 export SLURM_CONF=$S/etc/slurm.conf
 slurmctld -f "$SLURM_CONF"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import fcntl
 import json
 import mmap
 import os
@@ -1093,3 +1094,95 @@ def test_the_finish_commits_what_this_node_drained_after_a_dead_committer_s_lock
     assert drain.commit_ready(j1) == [7]
     assert 1 <= time.monotonic() - start < 30
     assert drain.read_manifest(pfs / layout.step_dirname(7))["time"] == 1.5
+
+
+def test_a_drain_never_removes_the_task_of_a_later_save_of_its_step(tmp_path):
+    journal = tmp_path / ".journal"
+    journal.mkdir()
+    first = drain.Task(
+        "run", 5, 0, 1, str(tmp_path / "bb"), str(tmp_path / "pfs"), 2, 2, "cache", 1.0
+    )
+    again = dataclasses.replace(first, save_time=2.0)
+    drain.add_task(journal, again)  # the step saved again while the first save committed
+    drain._remove_task(journal, first)  # the first save's drain is done with its task
+    assert drain.pending(journal) == [again]
+    assert drain.step_committed(journal, 5) is False  # the later save still waits
+    drain._remove_task(journal, again)
+    assert drain.pending(journal) == []
+
+
+def test_a_drain_started_while_another_holds_the_journal_waits_and_then_drains(tmp_path):
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    record = tmp_path / "pfs" / layout.step_dirname(7) / layout.node_record_name(0)
+    held = os.open(j0 / drain.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(held, fcntl.LOCK_EX)  # another drain, leaving: it will not look at the queue again
+    started = subprocess.Popen(
+        [sys.executable, "-m", "bbio.checkpoint.drain", "--journal", str(j0)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        time.sleep(1.0)
+        assert started.poll() is None, "a drain that finds the journal held must wait for it"
+        assert drain.pending(j0) and not record.exists()
+        os.close(held)  # the other drain has left
+        held = None
+        deadline = time.monotonic() + 60
+        while drain.pending(j0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not drain.pending(j0) and record.exists()
+    finally:
+        if held is not None:
+            os.close(held)
+        (j0 / drain.STOP).touch()
+        try:
+            started.wait(30)
+        finally:
+            started.kill()
+    assert started.returncode == 0, started.stderr.read()
+
+
+def test_a_handle_reports_a_save_committed_after_retention_removed_it(tmp_path):
+    from bbio.checkpoint.checkpointer import SaveHandle
+
+    pfs = tmp_path / "pfs"
+    for step, when in ((7, 1.5), (8, 2.5)):
+        for journal in two_node_save(tmp_path / "bb", step, when, keep_pfs=1):
+            assert drain.run(journal, None, finish=True, timeout=60) == 0
+    assert drain.committed_steps(pfs) == [8]  # step 7 removed by retention
+    fresh = tmp_path / "journal-of-a-restarted-drain"
+    fresh.mkdir()  # knows of neither step: only the PFS can tell
+    for step, when in ((7, 1.5), (8, 2.5)):
+        handle = SaveHandle("run", step, pfs / layout.step_dirname(step), fresh, 2, save_time=when)
+        assert handle.done()
+        handle.wait(timeout=5)
+    unsaved = SaveHandle("run", 9, pfs / layout.step_dirname(9), fresh, 2, save_time=3.5)
+    assert not unsaved.done()
+
+
+def test_two_drains_applying_retention_at_once_both_succeed(tmp_path):
+    ckpt_dir = tmp_path / "pfs"
+    for step in range(40):
+        step_dir = ckpt_dir / layout.step_dirname(step)
+        (step_dir / "deeper").mkdir(parents=True)
+        for i in range(30):
+            (step_dir / f"node-{i}.h5").write_bytes(b"x")
+            (step_dir / "deeper" / f"{i}").write_bytes(b"y")
+        files.write_json_atomic(drain.manifest_path(step_dir), {"format": drain.MANIFEST_FORMAT})
+    start = threading.Barrier(2)
+    outcomes: list[BaseException | list[int]] = []
+
+    def apply() -> None:
+        start.wait()
+        try:
+            outcomes.append(drain.apply_pfs_retention(ckpt_dir, 1))
+        except BaseException as exc:
+            outcomes.append(exc)
+
+    both = [threading.Thread(target=apply) for _ in range(2)]
+    for thread in both:
+        thread.start()
+    for thread in both:
+        thread.join(60)
+    assert all(isinstance(o, list) for o in outcomes) and len(outcomes) == 2, outcomes
+    assert drain.steps_in(ckpt_dir) == [39]

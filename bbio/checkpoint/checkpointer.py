@@ -84,7 +84,7 @@ class SaveHandle:
             return True
         if known is not None:
             return known
-        return drain.read_manifest(self.pfs_step_dir) is not None
+        return drain.was_committed(self.pfs_step_dir, self.step)  # also if retention removed it
 
     def _raise_if_set_aside(self, known: bool | None) -> None:
         """Raise if a node's drain set this save aside (this node's, or another's seen on

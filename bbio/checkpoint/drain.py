@@ -11,9 +11,10 @@ process once the node's file is durable, which then writes a byte into the
 ``wake`` FIFO there: an idle drain waits on it (and looks at the journal every
 20 ms anyway), so it starts copying at once.  An exclusive ``flock`` on
 ``drain.lock`` makes one drainer per journal; it is released when the process
-dies.  A task is removed only once its file is on the PFS, verified, recorded,
-and the checkpoint committed if this node was the last, so replaying the
-journal after a crash is idempotent.
+dies, and a drain started meanwhile waits for it, then drains.  A task is
+removed only once its file is on the PFS, verified, recorded, and the
+checkpoint committed if this node was the last, so replaying the journal
+after a crash is idempotent.
 
 For each task: copy ``node-N.h5`` (native copy, CRC32C in the same pass, in
 file order) to the PFS under a temporary name, fsync it and read it back and
@@ -110,10 +111,16 @@ class Task:
     save_time: float | None = None  # which save of the step: its "time" attribute
 
     def is_save_of(self, document: dict[str, Any] | None) -> bool:
-        """True if ``document`` (a record or a task) belongs to this task's save of the step."""
+        """True if ``document`` (a node record, or a node file's contents) belongs to this
+        task's save of the step."""
         return self.save_time is None or (document or {}).get("time", self.save_time) == (
             self.save_time
         )
+
+    def is_queued_in(self, document: dict[str, Any] | None) -> bool:
+        """True if ``document``, a journal entry (``task-<step>.json``), queues this
+        task's save of the step, not a later one."""
+        return (document or {}).get("save_time") == self.save_time
 
     @property
     def source(self) -> Path:
@@ -856,26 +863,39 @@ def apply_pfs_retention(ckpt_dir: Path, keep: int) -> list[int]:
     """Delete committed checkpoints older than the ``keep`` newest.  Returns the steps removed.
 
     The manifest goes first, so a half-deleted checkpoint is never seen as committed.
+    Several nodes' drains may apply it at once (each that sees the commit): what
+    another one removes meanwhile is not an error.
     """
     removed = []
     for step in committed_steps(ckpt_dir)[:-keep] if keep > 0 else []:
         step_dir = ckpt_dir / layout.step_dirname(step)
         manifest_path(step_dir).unlink(missing_ok=True)
-        files.fsync_dirs([step_dir])
+        try:
+            files.fsync_dirs([step_dir])
+        except BBIOError as exc:
+            if exc.errno != errno.ENOENT:
+                raise  # else removed by another drain meanwhile
         _remove_tree(step_dir)
         removed.append(step)
     return removed
 
 
 def _remove_tree(path: Path) -> None:
-    if not path.exists():
-        return
-    for child in sorted(path.rglob("*"), key=lambda p: len(p.parts), reverse=True):
-        if child.is_dir() and not child.is_symlink():
-            child.rmdir()
-        else:
-            child.unlink()
-    path.rmdir()
+    """Remove ``path`` and everything below it, never following a symlink; what another
+    process removes meanwhile is passed over."""
+    for top, dirs, names in os.walk(path, topdown=False):
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(top, name))
+        for name in dirs:
+            child = os.path.join(top, name)
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.islink(child):
+                    os.unlink(child)
+                else:
+                    os.rmdir(child)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(path)
 
 
 # ------------------------------------------------------------------ the loop
@@ -1012,8 +1032,7 @@ def _begin(journal: Path, task: Task) -> NodeCopy | None:
         if committed_save(Path(task.pfs_step_dir), task.save_time):
             _remove_task(journal, task)  # drained and committed before a crash: done
             return None
-        queued = files.read_json(task_path(journal, task.step)) or {}
-        if queued.get("save_time") != task.save_time:
+        if not task.is_queued_in(files.read_json(task_path(journal, task.step))):
             return None  # the save was withdrawn (it failed) or replaced: not damage
         gone = f"its burst-buffer copy is gone (no {task.source} nor its record)"
         _set_aside(journal, task, gone)  # never drainable; said, not retried for ever
@@ -1050,7 +1069,9 @@ def _never_recorded(journal: Path, task: Task) -> bool:
     with records_locked(journal):
         if files.read_json(bb_record) is not None:
             return False
-        _remove_task(journal, task)
+        removed = _unqueue(journal, task)
+    if removed:
+        _wake_waiters(journal)
     return True
 
 
@@ -1125,18 +1146,27 @@ def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -
 def _not_copied(journal: Path, task: Task) -> None:
     """``task``'s file was not copied because it is not of the task's save: saved again
     (its new task copies it), or, if the queued save is still this one, never will be."""
-    queued = files.read_json(task_path(journal, task.step)) or {}
-    if queued.get("save_time") == task.save_time:  # not saved again: it never will copy
+    if task.is_queued_in(files.read_json(task_path(journal, task.step))):  # not saved again
         _set_aside(journal, task, "its burst-buffer copy is not of the queued save")
 
 
 def _remove_task(journal: Path, task: Task) -> None:
     """Remove ``task``'s journal entry, unless it now holds a newer save of the step; tell
     the waiting processes (a step that leaves the journal may be done)."""
-    path = task_path(journal, task.step)
-    if task.is_save_of(files.read_json(path)):
-        path.unlink(missing_ok=True)
+    with records_locked(journal):  # not while a save of the step queues its own task
+        removed = _unqueue(journal, task)
+    if removed:
         _wake_waiters(journal)
+
+
+def _unqueue(journal: Path, task: Task) -> bool:
+    """Under :func:`records_locked`: remove ``task``'s journal entry if it still queues
+    ``task``'s save (a save of the step made since has queued its own); True if it did."""
+    path = task_path(journal, task.step)
+    if not task.is_queued_in(files.read_json(path)):
+        return False
+    path.unlink(missing_ok=True)
+    return True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1310,15 +1340,18 @@ class _Commits:
 
 
 def _is_committed(task: Task) -> bool:
-    """Is ``task``'s save committed?  Also when PFS retention has removed it since:
-    its directory is gone and a newer step is committed."""
-    step_dir = Path(task.pfs_step_dir)
+    """Is ``task``'s save committed?  (:func:`was_committed`)"""
+    return was_committed(Path(task.pfs_step_dir), task.step, task.save_time)
+
+
+def was_committed(step_dir: Path, step: int, save: float | None = None) -> bool:
+    """Is ``step`` committed in ``step_dir`` (by the save of time ``save``; None: any)?
+    Also when PFS retention has removed it since: its directory is gone and a newer
+    step is committed.  False when the PFS cannot be read.  Not collective."""
     try:
-        if committed_save(step_dir, task.save_time):
+        if committed_save(step_dir, save):
             return True
-        return not step_dir.exists() and any(
-            s > task.step for s in committed_steps(step_dir.parent)
-        )
+        return not step_dir.exists() and any(s > step for s in committed_steps(step_dir.parent))
     except (OSError, BBIOError):
         return False
 
@@ -1375,6 +1408,12 @@ def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) 
     training process ``parent`` is gone or has asked it to stop.  Finish mode
     exits when the queue is empty, or with status 1 at ``timeout``.  Returns
     the exit status.
+
+    One drain per journal: a drain that finds another holding the journal waits
+    for it to leave, then drains what is queued.  A background drain does not
+    give up instead: the other one may be leaving (its queue was empty, its
+    training process gone) and never see a task queued meanwhile, whose save
+    would then wait for ever.
     """
     journal.mkdir(parents=True, exist_ok=True)
     lock_fd = os.open(journal / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -1382,11 +1421,9 @@ def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) 
     try:
         while True:  # one drainer per journal: wait for (or outlive) any other
             try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if finish else 0))
                 break
             except BlockingIOError:
-                if not finish:
-                    return 0  # another drain is running
                 if deadline is not None and time.monotonic() > deadline:
                     print(f"bbio drain: {journal} is held by another drain", file=sys.stderr)
                     return 1
