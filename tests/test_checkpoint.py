@@ -275,10 +275,22 @@ def test_full_burst_buffer_writes_straight_to_the_pfs(comm, shared_tmp, caplog):
     comm.Barrier()
     try:
         config = config_for(comm, shared_tmp, bb_root=str(small / "{node}"))
+        pfs_step = shared_tmp / "pfs" / "ckpt" / "f" / "step-00000001"
+        # A drain of an earlier save of step 1 copying meanwhile: the direct save never
+        # writes under the drain's temporary name (before, both wrote the same file).
+        drains_temp = pfs_step / ".node-00000.h5.bbio-part"
+        if comm.Get_rank() == 0:
+            pfs_step.mkdir(parents=True)
+            drains_temp.write_bytes(b"an old save's bytes")
+        comm.Barrier()
         with bbio.Checkpointer(comm, "f", config=config) as ckpt:
             with caplog.at_level(logging.WARNING, logger="bbio"):
                 handle = ckpt.save(1, state(1, comm.Get_rank(), rows=100_000))
             assert handle.direct and handle.done()
+            assert drains_temp.read_bytes() == b"an old save's bytes"
+            assert sorted(p.name for p in pfs_step.iterdir() if p.name.startswith(".node")) == [
+                drains_temp.name
+            ]  # the save's own temporary file was renamed
             if comm.Get_rank() == 0:
                 assert "cannot hold it" in caplog.text and "straight to the PFS" in caplog.text
             step, arrays, _ = ckpt.restore()

@@ -1060,7 +1060,7 @@ def test_a_retry_of_a_step_retention_deleted_since_is_done_not_copied_again(tmp_
     for journal in (j0, j1, j0):
         assert drain.run(journal, None, finish=True, timeout=60) == 0
     assert drain.committed_steps(pfs) == [8] and not (pfs / layout.step_dirname(7)).exists()
-    drain.add_task(j1, task7)  # the retry
+    drain.add_task(j1, dataclasses.replace(task7, keep_bb=1))  # the retry
     record = task7.source.parent / layout.node_record_name(1)
     files.write_json_atomic(record, {**files.read_json(record), "crc32c": None})
     start = time.monotonic()
@@ -1068,6 +1068,10 @@ def test_a_retry_of_a_step_retention_deleted_since_is_done_not_copied_again(tmp_
     assert time.monotonic() - start < 10
     assert not (pfs / layout.step_dirname(7)).exists() and drain.pending(j1) == []
     assert drain.committed_steps(pfs) == [8]
+    # Node 1's copy of step 7, beyond keep_bb=1 and never to drain, is trimmed too
+    # (before, it stayed in the burst buffer for good); step 8's stays.
+    assert not record.exists() and not task7.source.exists()
+    assert (bb / "1" / layout.CKPT_DIR / "run" / layout.step_dirname(8)).is_dir()
 
 
 def test_the_finish_commits_what_this_node_drained_after_a_dead_committer_s_lock(tmp_path):
@@ -1094,6 +1098,28 @@ def test_the_finish_commits_what_this_node_drained_after_a_dead_committer_s_lock
     assert drain.commit_ready(j1) == [7]
     assert 1 <= time.monotonic() - start < 30
     assert drain.read_manifest(pfs / layout.step_dirname(7))["time"] == 1.5
+
+
+def test_a_commit_lock_whose_pid_a_later_process_reuses_is_stale(tmp_path):
+    """Node 0's committer died holding step 7's commit lock, and its PID now belongs to
+    another process of the host (here: this one).  The lock says when its owner started,
+    so node 1's epilog takes it over at once; before, the live PID kept it for good and
+    the step never committed.  A lock of the live owner itself is still respected."""
+    bb, pfs = tmp_path / "bb", tmp_path / "pfs"
+    j0, j1 = two_node_save(bb, 7, 1.5)
+    for journal in (j0, j1):
+        drain.start_copy(drain.pending(journal)[0]).finish(journal)
+        drain.set_target(journal, pfs, nodes=2, keep_pfs=5)
+    step_dir = pfs / layout.step_dirname(7)
+    mine = drain._take_commit_lock(step_dir)
+    assert mine is not None and drain._take_commit_lock(step_dir) is None  # alive: held
+    owner = json.loads(mine.read_text())
+    assert owner["pid"] == os.getpid() and owner["started"]
+    mine.write_text(json.dumps({**owner, "started": "an-earlier-boot:12345"}))
+    start = time.monotonic()
+    assert drain.commit_ready(j1) == [7]
+    assert time.monotonic() - start < 10
+    assert drain.read_manifest(step_dir)["time"] == 1.5
 
 
 def test_a_drain_never_removes_the_task_of_a_later_save_of_its_step(tmp_path):

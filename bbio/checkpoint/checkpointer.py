@@ -348,11 +348,15 @@ class Checkpointer:
         node_specs = [(r, all_specs[r]) for r in self.node_ranks]
         key = layout.layout_key(node_specs, __version__) if self.recycle and not direct else None
         node_file = step_dir / layout.node_filename(self.node)
+        temp = files.temp_path(node_file)
+        if direct:  # not the drain's temporary name there: a drain of an old save may copy
+            mine = files.unique_temp_path(node_file) if self.topo.is_leader else None
+            temp = self.topo.node_comm.bcast(mine, root=0)
         try:
             with agreed(comm, f"checkpoint {self.name} step {step}: writing"):
                 recycled = False
                 if self.topo.is_leader and not direct:
-                    recycled = self._claim_spare(key, files.temp_path(node_file))
+                    recycled = self._claim_spare(key, temp)
                 size = write_node_file(
                     self.topo.node_comm,
                     node_file,
@@ -371,6 +375,7 @@ class Checkpointer:
                         attrs,
                     ),
                     recycled,
+                    temp,
                 )
             with agreed(comm, f"checkpoint {self.name} step {step}: recording"):
                 if self.topo.is_leader:
@@ -378,6 +383,8 @@ class Checkpointer:
                     if not direct:
                         self._start_drain()
         except BBIOError:
+            if self.topo.is_leader:
+                temp.unlink(missing_ok=True)
             self._withdraw(step, step_dir)
             raise
         if self.topo.is_leader and not direct:  # now: a copying drain takes CPU from the ranks

@@ -422,7 +422,7 @@ def read_status(journal: Path) -> dict[str, Any]:
 
 def _write_status(journal: Path, **status: Any) -> None:
     """Write the status (with the writer's pid and host), then tell the waiting processes."""
-    writer = {"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}
+    writer = {**_identity(), "time": time.time()}
     files.write_json_atomic(journal / STATUS, {**writer, **status})
     _wake_waiters(journal)
 
@@ -651,13 +651,7 @@ def _lock_is_stale(lock: Path) -> bool:
     except BBIOError:
         info = {}
     if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
-        try:
-            os.kill(info["pid"], 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+        return not _process_alive(info["pid"], info.get("started"))
     try:
         return time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS
     except FileNotFoundError:
@@ -675,7 +669,7 @@ def _take_commit_lock(step_dir: Path) -> Path | None:
             lock.unlink(missing_ok=True)
             continue
         with os.fdopen(fd, "w") as f:
-            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "time": time.time()}, f)
+            json.dump({**_identity(), "time": time.time()}, f)
         return lock
     return None
 
@@ -912,7 +906,8 @@ def trim_bb(
     """Delete ``node``'s oldest BB copies beyond the ``keep`` newest, once safe.
 
     A copy goes only when this node's drain has copied it to the PFS (its BB
-    record carries the PFS copy's CRC32C), it is not queued in ``journal``, and
+    record carries the PFS copy's CRC32C) or found its step retired by PFS
+    retention (``retired``), it is not queued in ``journal``, and
     that step or a newer one is committed on the PFS (the copy is then not the
     only complete one; retention may already have dropped the step itself).  A
     copy just written, or one still draining, is never touched.  With
@@ -945,7 +940,7 @@ def trim_bb(
             record = files.read_json(step_dir / layout.node_record_name(node)) or {}
         except IntegrityError:  # a damaged record: kept for the admin, never trimmed
             record = {}
-        drained = record.get("crc32c") is not None
+        drained = record.get("crc32c") is not None or record.get("retired") is True
         if not drained or step in queued or not any(done >= step for done in committed):
             left += 1
             continue
@@ -1040,7 +1035,7 @@ def _begin(journal: Path, task: Task) -> NodeCopy | None:
     if _never_recorded(journal, task):
         return None
     if _retired(task):
-        _remove_task(journal, task)  # committed, then deleted by PFS retention since: done
+        _retire(journal, task)  # committed, then deleted by PFS retention since: done
         return None
     if not task.is_save_of(files.read_json(bb_record)):
         _not_copied(journal, task)  # saved again or withdrawn: before any mkdir on the PFS
@@ -1157,6 +1152,26 @@ def _remove_task(journal: Path, task: Task) -> None:
         removed = _unqueue(journal, task)
     if removed:
         _wake_waiters(journal)
+
+
+def _retire(journal: Path, task: Task) -> None:
+    """Drop ``task``, whose step PFS retention has passed by, and mark its burst-buffer
+    record ``retired``: never to be drained, the copy is trimmed like a drained one
+    once it is beyond ``keep_bb``, now and by later trims (before, it stayed in the
+    burst buffer for good).  Not collective."""
+    bb_record = Path(task.bb_step_dir) / layout.node_record_name(task.node)
+    with records_locked(journal):
+        record = files.read_json(bb_record)
+        if (
+            record is not None
+            and task.is_save_of(record)
+            and task.is_queued_in(files.read_json(task_path(journal, task.step)))
+        ):
+            files.write_json_atomic(bb_record, {**record, "retired": True})
+        removed = _unqueue(journal, task)
+    if removed:
+        _wake_waiters(journal)
+        _trim_after(journal, task)
 
 
 def _unqueue(journal: Path, task: Task) -> bool:
@@ -1369,12 +1384,33 @@ def step_committed(journal: Path, step: int) -> bool | None:
     if step in status.get("committed", ()):
         return True
     awaited = step in status.get("awaiting", ())
-    if awaited and status.get("state") != STOPPED and _process_alive(status.get("pid")):
+    alive = _process_alive(status.get("pid"), status.get("started"))
+    if awaited and status.get("state") != STOPPED and alive:
         return False
     return None
 
 
-def _process_alive(pid: int | None) -> bool:
+def _identity() -> dict[str, Any]:
+    """Who this process is, for a lock or a status that others judge alive or dead."""
+    pid = os.getpid()
+    return {"pid": pid, "host": socket.gethostname(), "started": _started(pid)}
+
+
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started: the boot's ID and the clock ticks since boot (field 22
+    of ``/proc/PID/stat``), which tell a process from a later one given its reused PID;
+    None where ``/proc`` cannot say."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return f"{boot}:{stat.rsplit(')', 1)[1].split()[19]}"
+    except (OSError, IndexError):
+        return None
+
+
+def _process_alive(pid: int | None, started: str | None = None) -> bool:
+    """Is process ``pid`` of this host running, and the one that started at ``started``
+    (:func:`_started`; not checked when either side cannot say)?"""
     if not pid:
         return False
     try:
@@ -1382,8 +1418,9 @@ def _process_alive(pid: int | None) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    now = _started(pid) if started else None
+    return now is None or now == started
 
 
 def is_draining(journal: Path) -> bool:

@@ -110,6 +110,7 @@ def write_node_file(
     node_specs: Sequence[tuple[int, Mapping[str, dict]]],
     attrs: Mapping[str, Any],
     recycled: bool = False,
+    temp: Path | None = None,
 ) -> int:
     """Collective over ``node_comm``: write the node's checkpoint file at ``path``.
 
@@ -118,13 +119,15 @@ def write_node_file(
     the file's root attributes (the same on every rank).  ``recycled``, read on
     the node's rank 0: the temporary file is already there, a node file of
     this very layout, to be rewritten in place if rank 0 finds every dataset
-    in it as expected (else the file is laid out anew).  Returns the file's
+    in it as expected (else the file is laid out anew).  ``temp``: the name the
+    file is written under before its rename (the same on every rank; default
+    :func:`files.temp_path`).  Returns the file's
     size on the node's rank 0, once the file is durable under its final name
     there; other ranks return 0 before that.  A rank whose write fails makes
     every rank of the node raise its error (the file is never renamed).
     """
     h5py = _h5py()
-    temp = files.temp_path(path)
+    temp = files.temp_path(path) if temp is None else temp
     leader = node_comm.Get_rank() == 0
     # the agreement is also the barrier after which rank 0 makes the file durable
     with agreed(node_comm, f"writing {path}"):
