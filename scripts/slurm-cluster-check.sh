@@ -60,16 +60,7 @@ teardown() {  # only what this script made: its PID files, namespaces, bridge an
     chattr -i "$S/pfs/root" 2>/dev/null || true
     rm -rf "$S"
 }
-if [ -e "$S" ] && [ ! -e "$MARK" ] && [ -n "$(ls -A "$S" 2>/dev/null)" ]; then
-    die "$S exists and was not made by this script: choose another BBIO_CLUSTER_DIR"
-fi
-[ "$KEEP" = 1 ] || trap teardown EXIT
-
-if ! command -v slurmctld >/dev/null; then
-    say "installing slurm-wlm and munge"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-        slurm-wlm munge >/dev/null
-fi
+claim_state_dir BBIO_CLUSTER_DIR
 teardown
 mkdir -p "$S"/{etc,state,spool,log,run,out,home,pfs}
 touch "$MARK"
@@ -138,10 +129,6 @@ say "Slurm is up: nodes ${NODES[*]}"
 submit() {  # submit the batch script "$1" with sbatch options "${@:2}"; print the job id
     sbatch --parsable -D "$S/home" -o "$S/out/job-%j.out" "${@:2}" "$1"
 }
-wait_job() {
-    for _ in $(seq 600); do squeue -h -j "$1" 2>/dev/null | grep -q . || return 0; sleep 0.5; done
-    die "job $1 did not end in 5 minutes"
-}
 nodes_idle() {  # both nodes idle again: their epilogs succeeded
     for _ in $(seq 120); do [ "$(idle_nodes)" = "${#NODES[@]}" ] && return 0; sleep 0.5; done
     die "after job $1 the nodes are: $(sinfo -h -N -o '%N %T %E' | tr '\n' ';') (epilogs: $(cat "$S"/out/epilog."$1".* 2>&1))"
@@ -156,9 +143,9 @@ left_on_nodes() {  # what is left of job $1 in the nodes' /tmp
 # 1. the demo on two nodes: srun launches, the driver kills the job, the
 #    demo's epilog drains on every node, the restart checks the state
 JOB=$(submit "$REPO/jobscripts/demo.sbatch" --export="ALL,BBIO_HOME=$REPO,BBIO_DEMO_DIR=$S/home/work")
-wait_job "$JOB"
+wait_job "$JOB" 300
 OUT=$S/out/job-$JOB.out
-grep -q "^RESULT: all checks passed" "$OUT" || die "the demo (job $JOB) failed: $(tail -30 "$OUT")"
+grep -q "^RESULT: all checks passed" "$OUT" || die "the demo (job $JOB, $(job_state "$JOB")) failed: $(tail -30 "$OUT")"
 grep -q "^stage-in  replicated to 2 nodes" "$OUT" || die "the demo did not run on 2 nodes: $(cat "$OUT")"
 grep -q "^epilog    bbio ckpt drain --finish on 2 nodes" "$OUT" || die "no epilog on 2 nodes: $(cat "$OUT")"
 nodes_idle "$JOB"
@@ -221,7 +208,7 @@ srun --ntasks=2 --ntasks-per-node=1 python ckpt_job.py kill-drains
 chattr -i $PFS
 EOF
 JOB=$(submit "$S/home/save.sh")
-wait_job "$JOB"
+wait_job "$JOB" 300
 OUT=$S/out/job-$JOB.out
 [ "$(grep -c "saved step 7 in the BB" "$OUT")" = 4 ] || die "job $JOB: $(cat "$OUT")"
 [ "$(grep -c "drain failing \[7\]: .*not permitted" "$OUT")" = 2 ] ||
@@ -243,7 +230,7 @@ export BBIO_CONFIG=$S/etc/bbio.toml
 srun python ckpt_job.py restore
 EOF
 JOB=$(submit "$S/home/restore.sh")
-wait_job "$JOB"
+wait_job "$JOB" 300
 OUT=$S/out/job-$JOB.out
 [ "$(grep -c "restored step 7: same rows" "$OUT")" = 2 ] || die "job $JOB: $(cat "$OUT")"
 nodes_idle "$JOB"

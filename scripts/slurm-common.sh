@@ -1,6 +1,43 @@
 # Shared by scripts/slurm-hooks-check.sh and scripts/slurm-cluster-check.sh (sourced, not run):
 # a munge and the site's bbio hooks under a state directory, and the slurm.conf lines both use.
 
+claim_state_dir() {  # claim_state_dir SETTING: refuse a $S not made by this script ($MARK
+    # proves it; SETTING names the variable that chooses another), arm the teardown, and
+    # install slurm-wlm and munge if they are missing
+    if [ -e "$S" ] && [ ! -e "$MARK" ] && [ -n "$(ls -A "$S" 2>/dev/null)" ]; then
+        die "$S exists and was not made by this script: choose another $1"
+    fi
+    [ "$KEEP" = 1 ] || trap teardown EXIT
+    if ! command -v slurmctld >/dev/null; then
+        say "installing slurm-wlm and munge"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+            slurm-wlm munge >/dev/null
+    fi
+}
+
+job_state() {  # job_state JOB: its JobState; GONE once Slurm forgot it; empty if Slurm did not say
+    local out
+    if out=$(scontrol -o show job "$1" 2>&1); then
+        sed -n 's/.*JobState=\([A-Z_]*\).*/\1/p' <<<"$out"
+    elif grep -q "Invalid job id" <<<"$out"; then
+        echo GONE
+    fi
+}
+
+wait_job() {  # wait_job JOB SECONDS: until JOB has ended and its epilogs ran; a query that
+    # fails (slurmctld busy) is asked again, never taken for the job's end
+    local state=""
+    for _ in $(seq $(($2 * 4))); do
+        state=$(job_state "$1")
+        case $state in
+            "" | PENDING | CONFIGURING | RUNNING | COMPLETING | SUSPENDED | REQUEUED | RESIZING | SIGNALING | STAGE_OUT) ;;
+            *) return 0 ;;
+        esac
+        sleep 0.25
+    done
+    die "job $1 did not end in $2 s (its state: ${state:-Slurm did not answer})"
+}
+
 stop_pid() {  # stop a daemon by its PID file, never by name
     local file=$1 pid
     [ -s "$file" ] || return 0

@@ -44,16 +44,7 @@ teardown() {  # only a directory this script made: its PID files, its user, its 
     if [ -e "$S/.created-user" ]; then userdel "$USER_NAME" 2>/dev/null || true; fi
     rm -rf "$S"
 }
-if [ -e "$S" ] && [ ! -e "$MARK" ] && [ -n "$(ls -A "$S" 2>/dev/null)" ]; then
-    die "$S exists and was not made by this script: choose another BBIO_SLURM_DIR"
-fi
-[ "$KEEP" = 1 ] || trap teardown EXIT
-
-if ! command -v slurmctld >/dev/null; then
-    say "installing slurm-wlm and munge"
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-        slurm-wlm munge >/dev/null
-fi
+claim_state_dir BBIO_SLURM_DIR
 teardown
 mkdir -p "$S"/{etc,state,spool,log,run,out,home,local/bbio,pfs}
 touch "$MARK"
@@ -94,14 +85,10 @@ submit() {  # submit "$1" (a batch script body) as the user; print the job id
     runuser -u "$USER_NAME" -- env SLURM_CONF="$SLURM_CONF" \
         sbatch --parsable -D "$S/home/$USER_NAME" -o "$S/out/job-%j.out" "$S/home/$USER_NAME/job.sh"
 }
-wait_job() {
-    for _ in $(seq 240); do squeue -h -j "$1" 2>/dev/null | grep -q . || return 0; sleep 0.25; done
-    die "job $1 did not end"
-}
 
 # 1. the directory is the user's during the job and gone after it
 JOB=$(submit "stat -c '%U %a' $S/local/bbio/\$SLURM_JOB_ID; touch $S/local/bbio/\$SLURM_JOB_ID/x")
-wait_job "$JOB"
+wait_job "$JOB" 60
 grep -qx "$USER_NAME 700" "$S/out/job-$JOB.out" ||
     die "job $JOB saw $(cat "$S/out/job-$JOB.out") (prolog: $(cat "$S/out/prolog.$JOB"))"
 for _ in $(seq 40); do [ -e "$S/local/bbio/$JOB" ] || break; sleep 0.25; done
@@ -126,7 +113,7 @@ bb_step, pfs_step = bb / layout.CKPT_DIR / "run" / step, pfs / layout.CKPT_DIR /
 drain.add_task(journal, drain.Task("run", 3, 0, 1, str(bb_step), str(pfs_step), 3))
 EOF
 chown -R "$USER_NAME" "$BB"
-wait_job "$JOB"
+wait_job "$JOB" 60
 for _ in $(seq 80); do node_state | grep -q drain && break; sleep 0.25; done
 node_state | grep -q drain || die "node is $(node_state) after the failed epilog of job $JOB"
 scontrol show node "$HOST" | grep -q "Reason=Epilog error" || die "no 'Epilog error' reason"
