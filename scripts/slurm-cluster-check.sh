@@ -34,13 +34,11 @@ PATH=$PATH:/usr/sbin:/sbin
 
 say() { printf 'slurm-cluster-check: %s\n' "$*" >&2; }
 die() { say "FAILED: $*"; exit 1; }
-[ "$(id -u)" = 0 ] || die "run as root (namespaces, and Slurm's daemons)"
-[ -x "$REPO/.venv/bin/bbio" ] || die "no $REPO/.venv/bin/bbio: run make setup first"
-[ "$S" != / ] || die "refusing / as the state directory"
 case "$S/" in /tmp/*) die "$S is in /tmp, which each node replaces by its own: choose another BBIO_CLUSTER_DIR" ;; esac
 
 # shellcheck source=scripts/slurm-common.sh
 source "$REPO/scripts/slurm-common.sh"
+check_prerequisites "namespaces, and Slurm's daemons"
 MARK=$S/.bbio-slurm-cluster-check   # proves that $S was made by this script
 teardown() {  # only what this script made: its PID files, namespaces, bridge and files
     [ -e "$MARK" ] || return 0

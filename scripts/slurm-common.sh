@@ -1,6 +1,12 @@
 # Shared by scripts/slurm-hooks-check.sh and scripts/slurm-cluster-check.sh (sourced, not run):
 # a munge and the site's bbio hooks under a state directory, and the slurm.conf lines both use.
 
+check_prerequisites() {  # check_prerequisites WHY_ROOT: root, bbio's venv, a state directory
+    [ "$(id -u)" = 0 ] || die "run as root ($1)"
+    [ -x "$REPO/.venv/bin/bbio" ] || die "no $REPO/.venv/bin/bbio: run make setup first"
+    [ "$S" != / ] || die "refusing / as the state directory"
+}
+
 claim_state_dir() {  # claim_state_dir SETTING: refuse a $S not made by this script ($MARK
     # proves it; SETTING names the variable that chooses another), arm the teardown, and
     # install slurm-wlm and munge if they are missing

@@ -29,12 +29,10 @@ PATH=$PATH:/usr/sbin:/sbin
 
 say() { printf 'slurm-hooks-check: %s\n' "$*" >&2; }
 die() { say "FAILED: $*"; exit 1; }
-[ "$(id -u)" = 0 ] || die "run as root (the prolog and epilog run as root)"
-[ -x "$REPO/.venv/bin/bbio" ] || die "no $REPO/.venv/bin/bbio: run make setup first"
-[ "$S" != / ] || die "refusing / as the state directory"
 
 # shellcheck source=scripts/slurm-common.sh
 source "$REPO/scripts/slurm-common.sh"
+check_prerequisites "the prolog and epilog run as root"
 MARK=$S/.bbio-slurm-hooks-check   # proves that $S was made by this script
 teardown() {  # only a directory this script made: its PID files, its user, its files
     [ -e "$MARK" ] || return 0

@@ -173,6 +173,21 @@ def test_a_corrupt_burst_buffer_copy_is_skipped_for_the_pfs_copy(comm, shared_tm
         assert step == 5 and same(arrays, state(5, rank, rows=20000))
         if rank == 0:
             assert "(bb) skipped" in caplog.text and "node-00001.h5" in caplog.text
+        # the HDF5 signature zeroed: the warning still names the file (before: only
+        # h5py's "file signature not found")
+        ckpt.save(6, state(6, rank, rows=20000)).wait(timeout=60)
+        comm.Barrier()
+        if rank == 0:
+            with open(str(victim).replace("00000005", "00000006"), "r+b") as f:
+                f.write(bytes(8))
+        comm.Barrier()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="bbio"):
+            step, arrays, _ = ckpt.restore()
+        assert step == 6 and same(arrays, state(6, rank, rows=20000))
+        if rank == 0:
+            assert "step 6 (bb) skipped" in caplog.text
+            assert "step-00000006/node-00001.h5" in caplog.text
 
 
 def test_a_partial_checkpoint_is_never_restored(comm, shared_tmp):

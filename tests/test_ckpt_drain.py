@@ -306,16 +306,46 @@ def test_a_manifest_of_an_older_save_is_replaced(tmp_path):
 
 
 def test_a_commit_lock_just_created_by_another_node_is_waited_for_not_an_error(tmp_path):
+    """Another node's committer has just created the lock (its owner not yet written into
+    it) and then gives it up without committing: the last node's drain waits for the lock
+    and commits (before, it gave up at once and nobody committed the step)."""
     j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
     pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
     assert drain.run(j0, None, finish=True, timeout=60) == 0
-    (pfs_step / drain.COMMIT_LOCK).touch()  # created, its owner not yet written into it
-    assert drain.run(j1, None, finish=True, timeout=60) == 0
+    lock = pfs_step / drain.COMMIT_LOCK
+    lock.touch()
+    gives_up = threading.Timer(0.5, lock.unlink)
+    gives_up.start()
+    start = time.monotonic()
+    try:
+        assert drain.run(j1, None, finish=True, timeout=60) == 0
+    finally:
+        gives_up.cancel()
+    assert time.monotonic() - start >= 0.5
     status = drain.read_status(j1)
-    assert (status["error"], status["awaiting"]) == (None, [7])
-    assert drain.read_manifest(pfs_step) is None  # the lock's owner commits
-    (pfs_step / drain.COMMIT_LOCK).unlink()
+    assert (status["error"], status["awaiting"], status["committed"]) == (None, [], [7])
+    assert drain.read_manifest(pfs_step)["time"] == 1.5
+
+
+def test_a_commit_lock_of_a_dead_committer_elsewhere_is_waited_out_then_taken(tmp_path):
+    """Node 0's committer died on its host holding step 7's commit lock.  A commit waits
+    until the lock is stale and commits (before, every drain gave up at once, the step
+    stayed uncommitted and its handles waited for ever); with less patience than the
+    lock has life left, it says it did not commit."""
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
+    for journal in (j0, j1):
+        assert drain.start_copy(drain.pending(journal)[0]).finish(journal) is not None
+    lock = pfs_step / drain.COMMIT_LOCK
+    lock.write_text(json.dumps({"host": "a-dead-node", "pid": 1}))
+    nearly_stale = time.time() - drain.STALE_LOCK_SECONDS + 1.5
+    os.utime(lock, (nearly_stale, nearly_stale))
+    assert drain.try_commit(pfs_step, 2, patience=0.2) is False
+    assert drain.read_manifest(pfs_step) is None
+    start = time.monotonic()
     assert drain.try_commit(pfs_step, 2) is True
+    assert 1 <= time.monotonic() - start < 30
+    assert drain.read_manifest(pfs_step)["time"] == 1.5 and not lock.exists()
 
 
 def test_a_commit_takes_the_records_its_caller_just_renamed_into_place(tmp_path):
@@ -356,9 +386,11 @@ def test_a_commit_is_reported_under_its_lock_and_a_repeated_one_renames_nothing(
     assert drain.try_commit(pfs_step, 2, on_commit=report) is True
     assert seen[1] == (True, True) and manifest.stat().st_ino == first
     assert not [p.name for p in pfs_step.iterdir() if files.is_temp_name(p.name)]
-    manifest.write_text("{garbage")
-    assert drain.try_commit(pfs_step, 2) is True
-    assert drain.read_manifest(pfs_step)["time"] == 1.5
+    for damage in ("{garbage", "[]", "null"):  # JSON, but not an object: damaged too
+        manifest.write_text(damage)
+        assert drain.committed_steps(pfs_step.parent) == []
+        assert drain.try_commit(pfs_step, 2) is True
+        assert drain.read_manifest(pfs_step)["time"] == 1.5
     lock.touch()  # another node's committer, just started
     assert drain.try_commit(pfs_step, 2, on_commit=report) is True and len(seen) == 3
 
@@ -1074,6 +1106,27 @@ def test_a_retry_of_a_step_retention_deleted_since_is_done_not_copied_again(tmp_
     assert (bb / "1" / layout.CKPT_DIR / "run" / layout.step_dirname(8)).is_dir()
 
 
+def test_a_retry_is_found_retired_though_this_node_holds_no_newer_copy(tmp_path):
+    """As above, but step 8 went to the PFS without passing through node 1's burst buffer
+    (written straight there when the burst buffer was full; here: by other nodes' drains).
+    Before, the drain looked at the PFS only when it held a drained newer copy, so it made
+    step 7's directory again and copied into it a file that could never commit."""
+    bb, pfs = tmp_path / "bb", tmp_path / "pfs"
+    j0, j1 = two_node_save(bb, 7, 1.5, keep_pfs=1)
+    (task7,) = drain.pending(j1)
+    for journal in (j0, j1):
+        assert drain.run(journal, None, finish=True, timeout=60) == 0
+    for journal in two_node_save(tmp_path / "elsewhere", 8, 2.5, pfs_root=pfs, keep_pfs=1):
+        assert drain.run(journal, None, finish=True, timeout=60) == 0
+    assert drain.committed_steps(pfs) == [8] and not (pfs / layout.step_dirname(7)).exists()
+    drain.add_task(j1, task7)  # the retry
+    record = task7.source.parent / layout.node_record_name(1)
+    files.write_json_atomic(record, {**files.read_json(record), "crc32c": None})
+    assert drain.run(j1, None, finish=True, timeout=20) == 0
+    assert not (pfs / layout.step_dirname(7)).exists() and drain.pending(j1) == []
+    assert drain.read_status(j1)["awaiting"] == [] and drain.committed_steps(pfs) == [8]
+
+
 def test_the_finish_commits_what_this_node_drained_after_a_dead_committer_s_lock(tmp_path):
     """Step 7's node files and records are all on the PFS, but node 0's committer died on
     its host holding the commit lock.  Node 1's epilog waits until the lock is stale and
@@ -1212,3 +1265,19 @@ def test_two_drains_applying_retention_at_once_both_succeed(tmp_path):
         thread.join(60)
     assert all(isinstance(o, list) for o in outcomes) and len(outcomes) == 2, outcomes
     assert drain.steps_in(ckpt_dir) == [39]
+
+
+def test_a_burst_buffer_record_that_cannot_be_read_passes_its_copy_over(tmp_path):
+    """An I/O error on one node record (here: a directory in its place) makes that copy
+    not count, as a damaged record does, and is named for `bbio ckpt verify`; before, it
+    failed every restore and list, although the PFS held the step."""
+    bb = tmp_path / "bb"
+    two_node_save(bb, 7, 1.5)
+    two_node_save(bb, 8, 2.5)
+    bb_ckpt_dir = bb / "0" / layout.CKPT_DIR / "run"
+    record = bb_ckpt_dir / layout.step_dirname(7) / layout.node_record_name(0)
+    record.unlink()
+    record.mkdir()
+    assert sorted(restore.bb_copies(bb_ckpt_dir, 0)) == [8]
+    (problem,) = restore.damaged_bb_records(bb_ckpt_dir, 0)
+    assert isinstance(problem, BBIOError) and str(record) in str(problem)

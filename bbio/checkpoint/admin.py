@@ -212,7 +212,10 @@ def finish_journals(journals: list[Path], timeout: float | None) -> list[str]:
             failed.append(f"{journal} ({exc})")
             continue
         try:
-            drain.commit_ready(journal)
+            if deadline is None:
+                drain.commit_ready(journal)
+            else:
+                drain.commit_ready(journal, patience=max(deadline - time.monotonic(), 1.0))
         except (BBIOError, OSError) as exc:  # this node's files are on the PFS: said, not failed
             print(f"bbio drain: {journal}: committing what is ready failed: {exc}", file=sys.stderr)
     return failed

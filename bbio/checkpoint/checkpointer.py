@@ -391,7 +391,16 @@ class Checkpointer:
             drain.wake(self.journal)
         if direct:
             with agreed(comm, f"checkpoint {self.name} step {step}: committing on the PFS"):
-                if self.rank == 0 and drain.try_commit(step_dir, self.nodes):
+                if self.rank == 0:
+                    if not drain.try_commit(step_dir, self.nodes):
+                        raise BBIOTimeoutError(
+                            f"checkpoint {self.name} step {step} was written to the PFS but "
+                            f"not committed: another process held its commit lock for "
+                            f"{drain.STALE_LOCK_SECONDS + 5:.0f} s",
+                            path=step_dir / drain.COMMIT_LOCK,
+                            hint="see which host and process the lock names; once that one "
+                            "is gone, save the step again",
+                        )
                     drain.apply_pfs_retention(step_dir.parent, self.keep_pfs)
             return dataclasses.replace(handle, direct=True)
         return handle

@@ -390,12 +390,7 @@ def commit_ready(journal: Path, patience: float = STALE_LOCK_SECONDS + 5) -> lis
             try:
                 if step is None or committed_save(entry) or not _drained_here(journal, entry):
                     continue
-                deadline = time.monotonic() + patience
-                while not (committed := try_commit(entry, target["nodes"])):
-                    if not (entry / COMMIT_LOCK).exists() or time.monotonic() > deadline:
-                        break
-                    time.sleep(1.0)
-                if committed:
+                if try_commit(entry, target["nodes"], patience=patience):
                     apply_pfs_retention(ckpt_dir, target["keep_pfs"])
                     done.append(step)
             except (BBIOError, OSError) as exc:  # one step's damage holds back no other
@@ -679,6 +674,7 @@ def try_commit(
     nodes: int,
     known: dict[int, dict[str, Any] | None] | None = None,
     on_commit: Callable[[], object] = lambda: None,
+    patience: float = STALE_LOCK_SECONDS + 5,
 ) -> bool:
     """Commit the checkpoint in ``step_dir`` if every node's file of one save is there.
 
@@ -690,27 +686,39 @@ def try_commit(
     has said so.  ``known``: node records the caller has just renamed into place
     (not read again).  ``on_commit`` is called once the step is known to be
     committed, before this call gives its commit lock up: a drain reports the
-    commit that much sooner.
+    commit that much sooner.  A commit lock another committer holds is waited
+    on for up to ``patience`` seconds: that one commits (then so is this save),
+    gives the lock up, or dies and leaves it stale (see :func:`_lock_is_stale`),
+    and then this call looks at the records again and commits; False if the lock
+    is still held at ``patience``.
     """
     known = known or {}
-    records = [
-        known.get(n) or files.read_json(step_dir / layout.node_record_name(n)) for n in range(nodes)
-    ]
-    if any(r is None for r in records):
-        return False
-    saves = {r.get("time") for r in records}
-    if len(saves) != 1:
-        return False  # a node has not drained the latest save yet
-    if {(r.get("contents") or {}).get("nodes", nodes) for r in records} != {nodes}:
-        return False  # saved by another node count (a later job's target): its own drains commit
-    save = saves.pop()
-    view, manifest = _commit_documents(step_dir, nodes, records)
-    lock = _take_commit_lock(step_dir)
-    if lock is None:  # another node's drain commits it, or has
-        committed = committed_save(step_dir, save)
-        if committed:
+    deadline = time.monotonic() + patience
+    pause = 0.005
+    while True:
+        records = [
+            known.get(n) or files.read_json(step_dir / layout.node_record_name(n))
+            for n in range(nodes)
+        ]
+        if any(r is None for r in records):
+            return False
+        saves = {r.get("time") for r in records}
+        if len(saves) != 1:
+            return False  # a node has not drained the latest save yet
+        if {(r.get("contents") or {}).get("nodes", nodes) for r in records} != {nodes}:
+            return False  # saved by another node count (a later job's target): its own drains
+        save = saves.pop()
+        view, manifest = _commit_documents(step_dir, nodes, records)
+        lock = _take_commit_lock(step_dir)
+        if lock is not None:
+            break
+        if committed_save(step_dir, save):  # another node's drain committed it
             on_commit()
-        return committed
+            return True
+        if time.monotonic() + pause > deadline:
+            return False
+        time.sleep(pause)  # until the lock's owner commits, lets it go, or is found dead
+        pause = min(pause * 2, 1.0)
     try:
         _write_view_then_manifest(step_dir, view, manifest, save)
         on_commit()
@@ -1017,11 +1025,12 @@ def _trim_after(journal: Path, task: Task, recycle: bool = True) -> bool:
         return True
 
 
-def _begin(journal: Path, task: Task) -> NodeCopy | None:
+def _begin(journal: Path, task: Task, retry: bool = False) -> NodeCopy | None:
     """The first half of draining ``task``: its checks and the copy of its bytes (see
     :func:`start_copy`).  None if there is nothing to finish (done before, set aside,
-    withdrawn, never recorded, or saved again: its new task copies the new file); the
-    caller reports it."""
+    withdrawn, never recorded, retired, or saved again: its new task copies the new
+    file); the caller reports it.  ``retry``: a try after a failed one, or of a task
+    an earlier drain left (see :func:`_retired`)."""
     bb_record = Path(task.bb_step_dir) / layout.node_record_name(task.node)
     if not task.source.exists() and files.read_json(bb_record) is None:
         if committed_save(Path(task.pfs_step_dir), task.save_time):
@@ -1034,7 +1043,7 @@ def _begin(journal: Path, task: Task) -> NodeCopy | None:
         return None
     if _never_recorded(journal, task):
         return None
-    if _retired(task):
+    if _retired(task, retry):
         _retire(journal, task)  # committed, then deleted by PFS retention since: done
         return None
     if not task.is_save_of(files.read_json(bb_record)):
@@ -1084,12 +1093,12 @@ def _make_step_dir(step_dir: Path) -> bool:
     return True
 
 
-def _retired(task: Task) -> bool:
+def _retired(task: Task, retry: bool = False) -> bool:
     """Has PFS retention passed ``task``'s step by?  Its directory is gone and ``keep_pfs``
     newer steps are committed (a retry of a step that other nodes committed and retention
-    deleted since): copied again, it could never commit.  Looks at the PFS only when this
-    node has drained a newer step (its BB record holds the PFS CRC32C): never when the
-    steps drain in order."""
+    deleted since): copied again, it could never commit.  Looks at the PFS only for a
+    ``retry`` or when this node has drained a newer step (its BB record holds the PFS
+    CRC32C): never for a first try when the steps drain in order."""
     bb_ckpt_dir = Path(task.bb_step_dir).parent
 
     def drained(step: int) -> bool:
@@ -1097,7 +1106,8 @@ def _retired(task: Task) -> bool:
         return (files.read_json(record) or {}).get("crc32c") is not None
 
     try:
-        if not any(drained(step) for step in steps_in(bb_ckpt_dir) if step > task.step):
+        later = (step for step in steps_in(bb_ckpt_dir) if step > task.step)
+        if not retry and not any(drained(step) for step in later):
             return False
         step_dir = Path(task.pfs_step_dir)
         newer = [step for step in committed_steps(step_dir.parent) if step > task.step]
@@ -1106,10 +1116,14 @@ def _retired(task: Task) -> bool:
         return False  # copied again, as before
 
 
-def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -> bool:
+def _complete(
+    journal: Path, task: Task, commits: _Commits, copying: NodeCopy, deadline: float | None
+) -> bool:
     """The second half of draining ``task``: make its copy durable, verify and rename it,
     commit the checkpoint if this node is the last, drop the copy from the page cache,
-    apply retention.  True if BB copies are left to trim once other nodes commit.
+    apply retention.  True if BB copies are left to trim once other nodes commit.  A
+    commit lock held by another committer is waited on until ``deadline`` (a finish
+    mode's), else as long as :func:`try_commit` waits.
 
     Left in the page cache, every drained checkpoint would hold a second copy
     of itself in the node's memory (a first one when the burst buffer is
@@ -1128,6 +1142,7 @@ def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -
         task.nodes,
         {task.node: copying.pfs_record},
         on_commit=lambda: commits.settle(task, True),
+        patience=STALE_LOCK_SECONDS + 5 if deadline is None else deadline - time.monotonic(),
     )
     if not committed:
         commits.settle(task, False)
@@ -1497,6 +1512,7 @@ def _drain(
     trimmed_at = announced_at = 0.0
     announced: set[tuple[int, float | None]] = set()  # saves set aside, their PFS marker there
     commits = _Commits(journal)
+    inherited = {_task_key(t) for t in pending(journal)}  # an earlier drain's, maybe tried
     failures = commits.failures
     finishing: _Finishing | None = None
 
@@ -1592,7 +1608,7 @@ def _drain(
                 failure = failures.pop(_task_key(task), None)
             commits.begin(task, failure)
             try:
-                copying = _begin(journal, task)
+                copying = _begin(journal, task, failure is not None or _task_key(task) in inherited)
             except Exception as exc:  # the drain outlives any one failure, and says why
                 copying = None
                 failed(task, failure, exc)
@@ -1607,7 +1623,7 @@ def _drain(
                     copying.abandon()
                 raise
             if copying is not None:
-                outcome = finisher.submit(_complete, journal, task, commits, copying)
+                outcome = finisher.submit(_complete, journal, task, commits, copying, deadline)
                 outcome.add_done_callback(lambda _: waker.ring())
                 finishing = _Finishing(task, failure, outcome)
             if deadline is not None and time.monotonic() > deadline:

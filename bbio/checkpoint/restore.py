@@ -20,7 +20,7 @@ from bbio import _native
 from bbio.checkpoint import layout
 from bbio.checkpoint.drain import read_manifest
 from bbio.checkpoint.globalview import recorded_crc, recorded_crcs
-from bbio.errors import IntegrityError, UsageError
+from bbio.errors import BBIOError, IntegrityError, NotFoundError, UsageError
 from bbio.transfer import files
 
 
@@ -61,14 +61,16 @@ def one_save_on_every_node(
     return alike
 
 
-def damaged_bb_records(bb_ckpt_dir: Path, node: int | None) -> list[IntegrityError]:
-    """The errors of this burst buffer's node records that are damaged (not valid JSON):
-    :func:`bb_copies` passes over their copies.  Not collective."""
-    return [r for _, _, r in _bb_records(bb_ckpt_dir, node) if isinstance(r, IntegrityError)]
+def damaged_bb_records(bb_ckpt_dir: Path, node: int | None) -> list[BBIOError]:
+    """The errors of this burst buffer's node records that are damaged (not a JSON
+    object) or cannot be read (an I/O error): :func:`bb_copies` passes over their copies.
+    Not collective."""
+    return [r for _, _, r in _bb_records(bb_ckpt_dir, node) if isinstance(r, BBIOError)]
 
 
 def _bb_records(bb_ckpt_dir: Path, node: int | None) -> Iterator[tuple[int, int, Any]]:
-    """(step, node, record or its IntegrityError) of each node record in the burst buffer."""
+    """(step, node, record or why it cannot be read) of each node record in the burst
+    buffer."""
     if not bb_ckpt_dir.is_dir():
         return
     for entry in bb_ckpt_dir.iterdir():
@@ -78,7 +80,7 @@ def _bb_records(bb_ckpt_dir: Path, node: int | None) -> Iterator[tuple[int, int,
         for n in [node] if node is not None else layout.nodes_in(entry):
             try:
                 yield step, n, files.read_json(entry / layout.node_record_name(n))
-            except IntegrityError as exc:
+            except BBIOError as exc:  # damaged or unreadable: that copy does not count
                 yield step, n, exc
 
 
@@ -96,20 +98,34 @@ def verify_file(path: Path, size: int | None, crc: int | None) -> None:
 
 
 def file_meta(path: Path) -> dict[str, Any]:
-    """The root attributes of a node file, decoded."""
+    """The root attributes of a node file, decoded.  Not collective.
+
+    Raises :class:`IntegrityError` naming ``path`` when HDF5 cannot open it or
+    its attributes are not a node file's (damaged metadata), and
+    :class:`NotFoundError` when it is missing.
+    """
     import h5py
 
-    with h5py.File(path, "r") as f:
-        attrs = dict(f.attrs)
-    return {
-        "step": int(attrs["step"]),
-        "ranks": int(attrs["ranks"]),
-        "nodes": int(attrs["nodes"]),
-        "node_ranks": [int(r) for r in attrs["node_ranks"]],
-        "layout": str(attrs["layout"]),
-        "global_shapes": json.loads(attrs["global_shapes"]),
-        "user_attrs": json.loads(attrs["user_attrs"]),
-    }
+    if not path.exists():
+        raise NotFoundError("checkpoint file is missing", path=path)
+    try:
+        with h5py.File(path, "r") as f:
+            attrs = dict(f.attrs)
+        return {
+            "step": int(attrs["step"]),
+            "ranks": int(attrs["ranks"]),
+            "nodes": int(attrs["nodes"]),
+            "node_ranks": [int(r) for r in attrs["node_ranks"]],
+            "layout": str(attrs["layout"]),
+            "global_shapes": json.loads(attrs["global_shapes"]),
+            "user_attrs": json.loads(attrs["user_attrs"]),
+        }
+    except (OSError, KeyError, TypeError, ValueError) as exc:
+        raise IntegrityError(
+            f"checkpoint file is not a readable bbio node file ({type(exc).__name__}: {exc})",
+            path=path,
+            hint="its HDF5 metadata or root attributes are damaged; restore uses another copy",
+        ) from None
 
 
 def check_request(

@@ -396,7 +396,12 @@ def _not_packed_warning(paths: Sequence[str]) -> list[str]:
 
 def read_index(out: str | os.PathLike) -> list[ShardInfo]:
     """The shards listed in ``out/bbio-pack.json``.  Not collective."""
-    document = files.read_json(Path(out) / INDEX_NAME)
+    try:
+        document = files.read_json(Path(out) / INDEX_NAME)
+    except IntegrityError as exc:
+        raise IntegrityError(
+            exc.message, path=Path(out) / INDEX_NAME, hint="recreate it with 'bbio pack SRC OUT'"
+        ) from None
     if document is None:
         raise NotFoundError(
             "not a bbio pack (no index)",

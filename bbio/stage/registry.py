@@ -24,7 +24,7 @@ def registry_path(bb_dir: Path) -> Path:
 
 def _entries(bb_dir: Path) -> list[dict]:
     document = files.read_json(registry_path(bb_dir))
-    if not isinstance(document, dict) or document.get("format") != FORMAT:
+    if document is None or document.get("format") != FORMAT:
         return []
     return [e for e in document.get("entries", []) if {"source", "destination"} <= set(e)]
 

@@ -321,26 +321,34 @@ def rename_durably(temp: Path, final: Path) -> None:
     fsync_dirs([final.parent])
 
 
-def read_json(path: Path) -> Any | None:
-    """The JSON document at ``path``, or None if there is none.
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON object at ``path``, or None if there is none.
 
-    Raises :class:`IntegrityError` when the file is not valid JSON (bbio writes
-    its documents whole: such a file is damaged), an OS error as a bbio error.
+    Raises :class:`IntegrityError` when the file is not valid JSON or not an
+    object (bbio writes its documents whole, and each is an object: such a file
+    is damaged), an OS error as a bbio error.
     """
     try:
         with open(path, "rb") as f:
-            return json.load(f)
+            document = json.load(f)
     except FileNotFoundError:
         return None
     except OSError as exc:
         raise _fail(exc, "read", path) from None
     except ValueError as exc:
-        raise IntegrityError(
-            f"the file is damaged: not valid JSON ({exc})",
-            path=path,
-            hint="bbio writes it whole, so something else changed it; remove it, or what "
-            "holds it, and rerun what wrote it",
-        ) from None
+        raise _damaged(path, f"not valid JSON ({exc})") from None
+    if not isinstance(document, dict):
+        raise _damaged(path, f"a JSON {type(document).__name__}, not an object")
+    return document
+
+
+def _damaged(path: Path, what: str) -> IntegrityError:
+    return IntegrityError(
+        f"the file is damaged: {what}",
+        path=path,
+        hint="bbio writes it whole, so something else changed it; remove it, or what "
+        "holds it, and rerun what wrote it",
+    )
 
 
 def manifest_path(root: Path, name: str = "manifest") -> Path:
