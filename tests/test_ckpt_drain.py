@@ -307,24 +307,33 @@ def test_a_manifest_of_an_older_save_is_replaced(tmp_path):
 
 def test_a_commit_lock_just_created_by_another_node_is_waited_for_not_an_error(tmp_path):
     """Another node's committer has just created the lock (its owner not yet written into
-    it) and then gives it up without committing: the last node's drain waits for the lock
-    and commits (before, it gave up at once and nobody committed the step)."""
+    it): the last node's drain leaves the commit to it and awaits the step.  That owner
+    then gives the lock up without committing: the drain's looks find the lock gone and
+    commit (before, nobody did, and the step's handles waited for ever)."""
     j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
     pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
     assert drain.run(j0, None, finish=True, timeout=60) == 0
     lock = pfs_step / drain.COMMIT_LOCK
     lock.touch()
-    gives_up = threading.Timer(0.5, lock.unlink)
-    gives_up.start()
-    start = time.monotonic()
+    background = threading.Thread(target=drain.run, args=(j1, os.getpid(), False, None))
+    background.start()
     try:
-        assert drain.run(j1, None, finish=True, timeout=60) == 0
+        deadline = time.monotonic() + 30
+        while drain.read_status(j1).get("awaiting") != [7]:
+            assert time.monotonic() < deadline, drain.read_status(j1)
+            time.sleep(0.05)
+        assert drain.read_status(j1)["error"] is None
+        time.sleep(0.5)
+        assert drain.read_manifest(pfs_step) is None  # held: left to its owner
+        lock.unlink()  # the owner gave up
+        deadline = time.monotonic() + 10
+        while 7 not in drain.read_status(j1).get("committed", ()):
+            assert time.monotonic() < deadline, drain.read_status(j1)
+            time.sleep(0.05)
     finally:
-        gives_up.cancel()
-    assert time.monotonic() - start >= 0.5
-    status = drain.read_status(j1)
-    assert (status["error"], status["awaiting"], status["committed"]) == (None, [], [7])
-    assert drain.read_manifest(pfs_step)["time"] == 1.5
+        (j1 / drain.STOP).touch()
+        background.join(30)
+    assert drain.read_manifest(pfs_step)["time"] == 1.5 and not background.is_alive()
 
 
 def test_a_commit_lock_of_a_dead_committer_elsewhere_is_waited_out_then_taken(tmp_path):

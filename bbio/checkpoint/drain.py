@@ -90,6 +90,7 @@ IDLE_TRIM_SECONDS = 1.0
 POLL_SECONDS = 0.02  # the journal is on the BB: a listing costs microseconds
 AWAIT_POLL_SECONDS = (0.005, 0.05)  # shortest and longest pause between looks for others' commits
 AWAIT_POLL_SHARE = 0.1  # between, a pause lasts this share of the time awaited so far
+ORPHAN_LOOK_SECONDS = 2.0  # between looks for an awaited commit whose committer is gone
 LOOKER_EXIT_SECONDS = 5.0  # how long a leaving drain waits for a look in progress
 RECENT_COMMITS = 64  # steps the status remembers as committed
 STOPPED = "stopped"
@@ -1116,14 +1117,12 @@ def _retired(task: Task, retry: bool = False) -> bool:
         return False  # copied again, as before
 
 
-def _complete(
-    journal: Path, task: Task, commits: _Commits, copying: NodeCopy, deadline: float | None
-) -> bool:
+def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -> bool:
     """The second half of draining ``task``: make its copy durable, verify and rename it,
     commit the checkpoint if this node is the last, drop the copy from the page cache,
     apply retention.  True if BB copies are left to trim once other nodes commit.  A
-    commit lock held by another committer is waited on until ``deadline`` (a finish
-    mode's), else as long as :func:`try_commit` waits.
+    commit lock another committer holds is not waited on: its owner commits, and should
+    it die, :meth:`_Commits.look` finds its lock stale and commits instead.
 
     Left in the page cache, every drained checkpoint would hold a second copy
     of itself in the node's memory (a first one when the burst buffer is
@@ -1142,7 +1141,7 @@ def _complete(
         task.nodes,
         {task.node: copying.pfs_record},
         on_commit=lambda: commits.settle(task, True),
-        patience=STALE_LOCK_SECONDS + 5 if deadline is None else deadline - time.monotonic(),
+        patience=0.0,  # a lock taken: its owner commits (or, gone, the looks take over)
     )
     if not committed:
         commits.settle(task, False)
@@ -1226,7 +1225,9 @@ class _Commits:
     most about a tenth later than it happened, and a long wait costs the PFS
     20 looks a second.  It looks for another node's damaged-file marker at
     most every 50 ms: that is rare and no commit waits on it, while each look
-    takes the PFS from the committing node.  The drain's loop, its finishing
+    takes the PFS from the committing node.  Every 2 s, and not in the first 2 s
+    of a wait, it commits an awaited step whose records are all there and whose
+    commit lock is gone or stale (:func:`_commit_orphan`).  The drain's loop, its finishing
     thread and the looking thread share it: every method, and the loop's
     changes to ``failures``, hold ``lock``.
     """
@@ -1240,7 +1241,7 @@ class _Commits:
         self.committed: list[int] = []
         self.failures: dict[tuple[int, float | None], _Failure] = {}
         self.damaged_elsewhere: dict[int, dict[str, Any]] = {}  # awaited, set aside by a node
-        self.since = self.next_look = self.next_damaged_look = 0.0
+        self.since = self.next_look = self.next_damaged_look = self.next_orphan_look = 0.0
         self.news = threading.Event()  # a step is awaited anew, or the looking stops
 
     def report(self, **rest: Any) -> None:
@@ -1288,6 +1289,7 @@ class _Commits:
         with self.lock:
             self._forget(task.step)
             self.damaged_elsewhere.pop(task.step, None)  # of an earlier save of the step
+            first = not self.awaiting
             if done:
                 self._add(task.step)
             else:
@@ -1295,6 +1297,8 @@ class _Commits:
             self.report()
             self.since = time.monotonic()
             self.next_look = self.since + AWAIT_POLL_SECONDS[0]
+            if first:  # the others are still copying: no look for an orphan before this
+                self.next_orphan_look = self.since + ORPHAN_LOOK_SECONDS
         self.news.set()
 
     def look(self) -> None:
@@ -1314,6 +1318,13 @@ class _Commits:
                 and (marker := damaged_save(Path(task.pfs_step_dir), task.save_time)) is not None
             }  # another node's file of this save is damaged
             self.next_damaged_look = now + AWAIT_POLL_SECONDS[1]
+        if now >= self.next_orphan_look:  # rarer still: a committer that died, or gave up
+            seen |= {
+                step
+                for step, task in awaited.items()
+                if step not in seen and step not in damaged and _commit_orphan(task)
+            }
+            self.next_orphan_look = now + ORPHAN_LOOK_SECONDS
         with self.lock:
             still = {step for step, task in self.awaiting.items() if awaited.get(step) is task}
             for step in seen & still:
@@ -1367,6 +1378,26 @@ class _Commits:
     def _add(self, step: int) -> None:
         self.committed.append(step)
         del self.committed[:-RECENT_COMMITS]
+
+
+def _commit_orphan(task: Task) -> bool:
+    """Commit ``task``'s step if every node's record is there and no live committer holds
+    its commit lock (none there, or a stale one: the committer died, or failed and gave
+    the lock up), then apply PFS retention; True if it is committed.  The drain that
+    found the lock taken left the commit to its owner; this is the look that finds the
+    owner gone.  Not collective; failures are left to the next look."""
+    step_dir = Path(task.pfs_step_dir)
+    lock = step_dir / COMMIT_LOCK
+    try:
+        if lock.exists() and not _lock_is_stale(lock):
+            return False
+        if not try_commit(step_dir, task.nodes, patience=0.0):
+            return False
+        apply_pfs_retention(step_dir.parent, task.keep_pfs)
+    except (BBIOError, OSError) as exc:
+        print(f"bbio drain: {step_dir}: not committed: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 def _is_committed(task: Task) -> bool:
@@ -1623,7 +1654,7 @@ def _drain(
                     copying.abandon()
                 raise
             if copying is not None:
-                outcome = finisher.submit(_complete, journal, task, commits, copying, deadline)
+                outcome = finisher.submit(_complete, journal, task, commits, copying)
                 outcome.add_done_callback(lambda _: waker.ring())
                 finishing = _Finishing(task, failure, outcome)
             if deadline is not None and time.monotonic() > deadline:
