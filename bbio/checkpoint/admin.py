@@ -202,20 +202,20 @@ def finish_journals(journals: list[Path], timeout: float | None) -> list[str]:
     does; returns those that could not be drained.  Not collective."""
     failed = []
     deadline = None if timeout is None else time.monotonic() + timeout
+
+    def left() -> float | None:
+        return None if deadline is None else max(deadline - time.monotonic(), 1.0)
+
     for journal in journals:
-        left = None if deadline is None else max(deadline - time.monotonic(), 1.0)
         try:
-            if drain.run(journal, parent=None, finish=True, timeout=left) != 0:
+            if drain.run(journal, parent=None, finish=True, timeout=left()) != 0:
                 failed.append(str(journal))
         except (BBIOError, OSError) as exc:  # this journal's; the next ones are drained
             print(f"bbio drain: {journal}: {exc}", file=sys.stderr)
             failed.append(f"{journal} ({exc})")
             continue
         try:
-            if deadline is None:
-                drain.commit_ready(journal)
-            else:
-                drain.commit_ready(journal, patience=max(deadline - time.monotonic(), 1.0))
+            drain.commit_ready(journal, left() or drain.COMMIT_PATIENCE_SECONDS)
         except (BBIOError, OSError) as exc:  # this node's files are on the PFS: said, not failed
             print(f"bbio drain: {journal}: committing what is ready failed: {exc}", file=sys.stderr)
     return failed

@@ -396,7 +396,7 @@ class Checkpointer:
                         raise BBIOTimeoutError(
                             f"checkpoint {self.name} step {step} was written to the PFS but "
                             f"not committed: another process held its commit lock for "
-                            f"{drain.STALE_LOCK_SECONDS + 5:.0f} s",
+                            f"{drain.COMMIT_PATIENCE_SECONDS:.0f} s",
                             path=step_dir / drain.COMMIT_LOCK,
                             hint="see which host and process the lock names; once that one "
                             "is gone, save the step again",

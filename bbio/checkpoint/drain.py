@@ -85,6 +85,7 @@ MANIFEST = "manifest.json"
 GLOBAL_VIEW = "global.h5"
 MANIFEST_FORMAT = "bbio-checkpoint/1"
 STALE_LOCK_SECONDS = 120.0
+COMMIT_PATIENCE_SECONDS = STALE_LOCK_SECONDS + 5  # a held commit lock, waited on by default
 MAX_BACKOFF_SECONDS = 30.0
 IDLE_TRIM_SECONDS = 1.0
 POLL_SECONDS = 0.02  # the journal is on the BB: a listing costs microseconds
@@ -371,7 +372,7 @@ def set_target(journal: Path, pfs_ckpt_dir: Path, nodes: int, keep_pfs: int) -> 
     )
 
 
-def commit_ready(journal: Path, patience: float = STALE_LOCK_SECONDS + 5) -> list[int]:
+def commit_ready(journal: Path, patience: float = COMMIT_PATIENCE_SECONDS) -> list[int]:
     """Commit every checkpoint of this journal's target whose node files are all on the PFS
     and whose save this node drained (another job's are its own to commit).
 
@@ -675,7 +676,7 @@ def try_commit(
     nodes: int,
     known: dict[int, dict[str, Any] | None] | None = None,
     on_commit: Callable[[], object] = lambda: None,
-    patience: float = STALE_LOCK_SECONDS + 5,
+    patience: float = COMMIT_PATIENCE_SECONDS,
 ) -> bool:
     """Commit the checkpoint in ``step_dir`` if every node's file of one save is there.
 
@@ -696,6 +697,7 @@ def try_commit(
     known = known or {}
     deadline = time.monotonic() + patience
     pause = 0.005
+    documents: tuple[float | None, tuple[bytes, dict[str, Any]]] | None = None
     while True:
         records = [
             known.get(n) or files.read_json(step_dir / layout.node_record_name(n))
@@ -709,7 +711,9 @@ def try_commit(
         if {(r.get("contents") or {}).get("nodes", nodes) for r in records} != {nodes}:
             return False  # saved by another node count (a later job's target): its own drains
         save = saves.pop()
-        view, manifest = _commit_documents(step_dir, nodes, records)
+        if documents is None or documents[0] != save:  # built once a save, not once a look
+            documents = save, _commit_documents(step_dir, nodes, records)
+        view, manifest = documents[1]
         lock = _take_commit_lock(step_dir)
         if lock is not None:
             break
@@ -1387,10 +1391,7 @@ def _commit_orphan(task: Task) -> bool:
     found the lock taken left the commit to its owner; this is the look that finds the
     owner gone.  Not collective; failures are left to the next look."""
     step_dir = Path(task.pfs_step_dir)
-    lock = step_dir / COMMIT_LOCK
-    try:
-        if lock.exists() and not _lock_is_stale(lock):
-            return False
+    try:  # a live owner's lock: try_commit leaves the step to it
         if not try_commit(step_dir, task.nodes, patience=0.0):
             return False
         apply_pfs_retention(step_dir.parent, task.keep_pfs)

@@ -59,8 +59,13 @@ def describe_node_file(path: Path, node: int) -> dict[str, Any]:
                 datasets.append(entry)
 
         f.visititems(visit)
+    return {"node": node, **decode_root_attrs(attrs), "datasets": datasets}
+
+
+def decode_root_attrs(attrs: dict[str, Any]) -> dict[str, Any]:
+    """Not collective: a node file's root attributes (``dict(f.attrs)``), decoded.
+    Raises KeyError, TypeError or ValueError for attributes that are not a node file's."""
     return {
-        "node": node,
         "step": int(attrs["step"]),
         "time": float(attrs["time"]),
         "ranks": int(attrs["ranks"]),
@@ -70,7 +75,6 @@ def describe_node_file(path: Path, node: int) -> dict[str, Any]:
         "global_shapes": json.loads(attrs["global_shapes"]),
         "user_attrs": json.loads(attrs["user_attrs"]),
         "bbio": str(attrs["bbio"]),
-        "datasets": datasets,
     }
 
 

@@ -9,7 +9,6 @@ previous checkpoint); a request the checkpoint cannot serve raises
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import numpy as np
 from bbio import _native
 from bbio.checkpoint import layout
 from bbio.checkpoint.drain import read_manifest
-from bbio.checkpoint.globalview import recorded_crc, recorded_crcs
+from bbio.checkpoint.globalview import decode_root_attrs, recorded_crc, recorded_crcs
 from bbio.errors import BBIOError, IntegrityError, NotFoundError, UsageError
 from bbio.transfer import files
 
@@ -110,16 +109,7 @@ def file_meta(path: Path) -> dict[str, Any]:
         raise NotFoundError("checkpoint file is missing", path=path)
     try:
         with h5py.File(path, "r") as f:
-            attrs = dict(f.attrs)
-        return {
-            "step": int(attrs["step"]),
-            "ranks": int(attrs["ranks"]),
-            "nodes": int(attrs["nodes"]),
-            "node_ranks": [int(r) for r in attrs["node_ranks"]],
-            "layout": str(attrs["layout"]),
-            "global_shapes": json.loads(attrs["global_shapes"]),
-            "user_attrs": json.loads(attrs["user_attrs"]),
-        }
+            return decode_root_attrs(dict(f.attrs))
     except (OSError, KeyError, TypeError, ValueError) as exc:
         raise IntegrityError(
             f"checkpoint file is not a readable bbio node file ({type(exc).__name__}: {exc})",
