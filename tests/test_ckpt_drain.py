@@ -224,6 +224,26 @@ def test_a_drained_copy_leaves_the_page_cache(tmp_path, verify):
         assert resident_pages(node_file) == 0
 
 
+def test_a_drain_awaiting_another_node_drops_its_copy_once_it_sees_the_commit(tmp_path):
+    """A drain that was not the last keeps its copy cached while another node commits (no
+    competing with the commit), and drops it once its looks find the manifest."""
+    if fs_type(tmp_path) == "tmpfs":
+        pytest.skip("on tmpfs the page cache is the file")
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5, elements=1 << 19)  # 4 MiB a rank
+    node_file = tmp_path / "pfs" / layout.step_dirname(7) / layout.node_filename(0)
+    draining = threading.Thread(target=drain.run, args=(j0, os.getpid(), False, None))
+    draining.start()
+    try:
+        assert _wait_for(lambda: drain.read_status(j0).get("awaiting") == [7])
+        assert drain.run(j1, None, finish=True, timeout=60) == 0
+        assert _wait_for(lambda: drain.read_status(j0).get("committed") == [7], seconds=5)
+        assert _wait_for(lambda: resident_pages(node_file) == 0, seconds=5)
+    finally:
+        (j0 / drain.STOP).touch()
+        draining.join(60)
+    assert not draining.is_alive()
+
+
 def test_a_later_job_of_fewer_nodes_never_commits_a_checkpoint_of_more(tmp_path):
     """Node 1 never drained step 7; a one-node job of the same name then recorded its
     target (nodes 1): finishing node 0's journal must not commit node 0's file alone."""
@@ -289,6 +309,54 @@ def test_a_copy_of_a_file_saved_again_meanwhile_never_replaces_the_pfs_file(tmp_
     assert task.target.read_bytes() == b"the new save's file"
     assert not (task.target.parent / layout.node_record_name(0)).exists()
     assert not list(task.target.parent.glob("*bbio-part"))  # neither copy nor record left
+
+
+def test_a_copy_goes_to_the_final_name_when_free_and_a_given_up_one_is_replaced(tmp_path):
+    """A node file goes to its final name when no file is there (nothing to rename), else
+    under its temporary name, renamed over the file there once verified.  A copy given up
+    (its file saved again meanwhile) leaves what it wrote at the final name, counting for
+    nothing, and the next save's drain replaces it."""
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    task = drain.pending(j0)[0]
+    copying = drain.start_copy(task)
+    assert copying.written == task.target and not files.temp_path(task.target).exists()
+    record = task.source.parent / layout.node_record_name(0)
+    files.write_json_atomic(record, {**files.read_json(record), "time": 2.5})  # saved again
+    assert copying.finish(j0) is None
+    assert task.target.stat().st_size == task.source.stat().st_size  # left, not removed
+    assert not (task.target.parent / layout.node_record_name(0)).exists()
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 2.5, elements=7)  # saved again, both nodes
+    copying = drain.start_copy(drain.pending(j0)[0])
+    assert copying.written == files.temp_path(task.target)
+    assert copying.finish(j0) is not None and not copying.written.exists()
+    assert drain.run(j1, None, finish=True, timeout=60) == 0
+    manifest = drain.read_manifest(task.target.parent)
+    assert manifest["time"] == 2.5
+    for entry in manifest["files"]:  # node 0's file is the new save's, whole
+        restore.verify_file(task.target.parent / entry["path"], entry["size"], entry["crc32c"])
+
+
+def test_the_last_node_commits_before_it_publishes_its_record(tmp_path, monkeypatch):
+    """A node that finds every other node's record on the PFS commits at once, and renames
+    its own record into place after the manifest (a rename off the commit's path); a node
+    that is not the last publishes its record first.  The node files were written at
+    their final names: nothing else is renamed."""
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
+    renamed = []
+    rename_sealed = files.rename_sealed
+
+    def watched(finals):
+        committed = drain.read_manifest(pfs_step) is not None
+        renamed.extend((Path(final).name, committed) for final in finals)
+        rename_sealed(finals)
+
+    monkeypatch.setattr(files, "rename_sealed", watched)
+    assert drain.run(j0, None, finish=True, timeout=60) == 0  # node 1 not drained yet
+    assert drain.run(j1, None, finish=True, timeout=60) == 0
+    assert renamed == [(layout.node_record_name(0), False), (layout.node_record_name(1), True)]
+    assert drain.read_manifest(pfs_step)["time"] == 1.5
+    assert files.read_json(pfs_step / layout.node_record_name(1))["time"] == 1.5
 
 
 def test_a_manifest_of_an_older_save_is_replaced(tmp_path):
@@ -996,7 +1064,7 @@ def test_the_next_checkpoint_is_copied_while_the_previous_one_finishes(tmp_path)
     two_node_save(tmp_path / "bb", 8, 2.5)
     pfs = tmp_path / "pfs"
     (task8,) = [t for t in drain.pending(j0) if t.step == 8]
-    copy8 = files.temp_path(task8.target)
+    copy8 = task8.target  # no file there: copied in place
     with commit_held_up(j0, pfs, 7) as exits:
         copied = _wait_for(
             lambda: copy8.exists() and copy8.stat().st_size == task8.source.stat().st_size
@@ -1019,6 +1087,7 @@ def test_another_nodes_commit_is_seen_while_the_next_checkpoint_is_copied(tmp_pa
     (task8,) = [t for t in drain.pending(j0) if t.step == 8]
     copy8 = files.temp_path(task8.target)
     copy8.parent.mkdir(parents=True)
+    task8.target.touch()  # a file there: copied under the temporary name
     os.mkfifo(copy8)
     exits = []
     draining = threading.Thread(target=lambda: exits.append(drain.run(j0, None, True, 60)))

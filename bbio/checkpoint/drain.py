@@ -17,16 +17,21 @@ checkpoint committed if this node was the last, so replaying the journal
 after a crash is idempotent.
 
 For each task: copy ``node-N.h5`` (native copy, CRC32C in the same pass, in
-file order) to the PFS under a temporary name, fsync it and read it back and
-compare (``ckpt_verify``: through the client cache, during the fsync; or from
-the device, after it, cached pages dropped); meanwhile write the node's record
-for the PFS (size, CRC32C, and what the file holds, read from the BB copy)
-under its temporary name, durably; rename the file, then its record, only if
-the node file was not saved again meanwhile; record it on the BB too; then, if
-every node's record is there, take the commit lock, write ``global.h5``
-(virtual datasets over the node files, built in memory from the records) and
-``manifest.json`` at once under temporary names, and rename ``global.h5``,
-then ``manifest.json`` last.  The drain reports the
+file order) to the PFS, at its final name if no file is there (such a file
+counts for nothing without its record and a manifest), else under a temporary
+name; fsync it on the descriptor that wrote it and read it back and compare
+(``ckpt_verify``: through the client cache, during the fsync; or from the
+device, after it, cached pages dropped); meanwhile write the node's record for
+the PFS (size, CRC32C, and what the file holds, read from the BB copy) under
+its temporary name, durably; only if the node file was not saved again
+meanwhile, rename the copy into place (if it is not there) and record it on
+the BB too; then, if every other node's record is there, this node is the
+last: it takes the commit lock, writes ``global.h5`` (virtual datasets over
+the node files, built in memory from the records) and ``manifest.json`` at once
+under temporary names, renames ``global.h5``, fsyncs the step's directory (every
+node's renames in it), and renames ``manifest.json`` last; then it renames its
+own record into place (a node that is not the last renames it first, and looks
+again).  The drain reports the
 commit in ``status.json`` (``committed``), and while other nodes have still to
 commit a step it drained (``awaiting``) a thread of its own looks for their
 manifest (also while the drain copies the next checkpoint), after a tenth of
@@ -474,15 +479,21 @@ def start_copy(task: Task) -> NodeCopy | None:
 class NodeCopy:
     """A node file's copy on the PFS, from :func:`start_copy` to :meth:`finish`.
 
-    The commit needs the node file's description (then it reads nothing on the
-    PFS).  A thread reads it from the BB copy while the bytes are copied,
-    started once the copy opened the file: a file saved again before it is read
-    shows the new save's time, never the old (one saved later, a new BB record,
-    read again before the renames).  Started earlier, it would hold the
-    interpreter while the copy is set up; after the copy, while the flush
-    starts.  The PFS record is written during the flush, under its temporary
-    name, and renamed after the node file once both are durable and the copy
-    reads back right.
+    The bytes go to the node file's final name when no file is there (then
+    nothing is renamed: without its record and a manifest such a file counts
+    for nothing), else to its temporary name, renamed over the file there once
+    durable and verified.  They are written, fsynced and (``ckpt_verify``
+    "cache") read back on descriptors opened once, the reader's during the
+    copy, so the flush starts as the last byte is written.  The commit needs
+    the node file's description (then it reads nothing on the PFS).  A thread
+    reads it from the BB copy while the bytes are copied, started once the copy
+    opened the file: a file saved again before it is read shows the new save's
+    time, never the old (one saved later, a new BB record, read again before
+    the renames).  Started earlier, it would hold the interpreter while the
+    copy is set up; after the copy, while the flush starts.  The PFS record is
+    written during the flush, under its temporary name, and renamed
+    (:meth:`publish`) once the copy is durable, reads back right and is in
+    place.
     """
 
     def __init__(
@@ -493,38 +504,56 @@ class NodeCopy:
         self.bb_record_path = Path(task.bb_step_dir) / layout.node_record_name(task.node)
         self.temp = files.temp_path(task.target)
         self.record_temp = files.temp_path(self.record_path)
-        self.pool = ThreadPoolExecutor(1)
-        self.described: list[futures.Future] = []
+        self.written = self.temp  # where the bytes go: the final name, or the temporary one
+        self.pool = ThreadPoolExecutor(2)  # the reader, the description; the read-back, the record
+        self.described: futures.Future | None = None
+        self.reader: futures.Future | None = None  # the read-back's descriptor
+        self.fd: int | None = None
         self.copied: _native.CopyResult | None = None
         self.pfs_record = drained  # as renamed into place on the PFS, once it is
 
     def copy(self) -> None:
-        """Not collective: copy the bytes to the temporary name, describing the file
-        meanwhile."""
+        """Not collective: copy the bytes to the node file's final name if it is free, else
+        to its temporary name, describing the file meanwhile."""
 
-        def describe_meanwhile() -> None:
-            self.described.append(
-                self.pool.submit(describe_node_file, self.task.source, self.task.node)
-            )
+        def meanwhile() -> None:
+            if self.task.verify == "cache":
+                self.reader = self.pool.submit(_open_for_reading_back, self.written)
+            self.described = self.pool.submit(describe_node_file, self.task.source, self.task.node)
 
-        self.copied = _native.copy_file(
+        self.fd, self.written = _create_copy(self.task.target, self.temp)
+        self.copied = _native.copy_file_to(
             self.task.source,
-            self.temp,
+            self.fd,
+            self.written,
             checksum=True,
             sequential=True,
-            on_open=describe_meanwhile,
+            on_open=meanwhile,
         )
 
     def abandon(self) -> None:
-        """Not collective: give the copy up (its temporary files are deleted)."""
+        """Not collective: give the copy up (its temporary files are deleted; a file made
+        at the final name stays, counting for nothing: by now it may be a later save's)."""
         self.pool.shutdown()
+        self._close()
         _discard(self.temp, self.record_temp)
 
-    def finish(self, journal: Path) -> dict[str, Any] | None:
-        """Flush the copy, read it back, write the PFS record meanwhile, and rename both
-        into place; record it on the BB (under :func:`records_locked`): the node's record,
-        or None if the file was saved again meanwhile (then its new save's drain replaces
-        whatever was renamed).  Not collective."""
+    def _close(self) -> None:
+        fds = [self.fd]
+        if self.reader is not None and self.reader.done() and self.reader.exception() is None:
+            fds.append(self.reader.result())
+        self.fd = self.reader = None
+        for fd in fds:
+            if fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+    def finish(self, journal: Path, publish: bool = True) -> dict[str, Any] | None:
+        """Flush the copy, read it back, write the PFS record durably meanwhile, and rename
+        the copy into place if it is not there, then (``publish``; else the caller's
+        :meth:`publish`) the record; record it on the BB (under :func:`records_locked`):
+        the node's record, or None if the file was saved again meanwhile (then its new
+        save's drain replaces whatever was renamed).  Not collective."""
         if self.drained is not None:
             return self.drained
         try:
@@ -542,20 +571,22 @@ class NodeCopy:
                 return None  # saved again during the renames: the new save's record stays
             drained = {**self.bb_record, **record, "complete": True}
             files.write_json_atomic(self.bb_record_path, drained)
+        if publish:
+            self.publish()
         return record
 
     def _seal(self) -> dict[str, Any] | None:
         task, copied = self.task, self.copied
-        assert copied is not None, "finish() before copy()"
-        preparing = self.pool.submit(
-            _prepare_record, task, self.record_path, copied, self.described[0]
+        assert copied is not None and self.described is not None, "finish() before copy()"
+        recording = self.pool.submit(
+            _prepare_record, task, self.record_path, copied, self.described
         )
         try:
-            size, crc = _seal_reading_back(self.temp, task)
+            size, crc = self._flush_and_read_back()
         finally:
-            futures.wait([preparing])  # its temporary record is written, or never will be
+            futures.wait([recording])  # its file is written, or never will be
         try:
-            record, contents = preparing.result()
+            record, contents = recording.result()
         except (OSError, KeyError, ValueError, TypeError, IntegrityError) as exc:
             now = files.read_json(self.bb_record_path)
             if now is None or not task.is_save_of(now) or not task.source.exists():
@@ -572,15 +603,77 @@ class NodeCopy:
             raise IntegrityError(
                 f"the copy reads back as {size} bytes, CRC32C {crc:08x}; "
                 f"{copied.nbytes} bytes, {copied.crc32c:08x} were written",
-                path=task.target,
+                path=self.written,
                 hint="the PFS may be failing; the drain will copy it again",
             )
         now = files.read_json(self.bb_record_path)
         if not task.is_save_of(contents) or now is None or not task.is_save_of(now):
             return None  # saved again during the copy: never renamed over the new save's file
-        files.commit([], sealed=[task.target, self.record_path])  # the file, then its record
+        if self.written != task.target:  # the commit fsyncs the directory before its manifest
+            files.rename_sealed([task.target])
         self.pfs_record = {**record, "contents": contents}
         return record
+
+    def publish(self) -> None:
+        """Rename the node's PFS record into place (durable under its temporary name since
+        :meth:`finish`): the other nodes' drains see the file drained.  Not collective."""
+        if self.drained is None:
+            files.rename_sealed([self.record_path])
+
+    def _flush_and_read_back(self) -> tuple[int, int]:
+        """fsync the copy on the descriptor that wrote it and read it back: its (size,
+        CRC32C).
+
+        ``ckpt_verify`` "cache": through the client cache, on the descriptor
+        opened during the copy, in a thread during the fsync (both release the
+        GIL), so it costs no time when the flush is the slower; "device": after
+        the fsync, with the cached pages dropped.
+        """
+        fd = self.fd
+        assert fd is not None, "flushed twice"
+        try:
+            if self.task.verify == "device":
+                _fsync(fd, self.written)
+                return files.checksum_file(self.written, drop_cache=True)
+            assert self.reader is not None
+            reader = self.reader.result()
+            reading = self.pool.submit(files.checksum_fd, reader, self.written)
+            try:
+                _fsync(fd, self.written)
+            finally:
+                futures.wait([reading])
+            return reading.result()
+        finally:
+            self._close()
+
+
+def _create_copy(final: Path, temp: Path) -> tuple[int, Path]:
+    """Create the file a node file is copied into: (its descriptor, its path).  At the
+    final name if no file is there, else under the temporary name (truncated)."""
+    try:
+        return os.open(final, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), final
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise from_oserror(exc, "create", final) from None
+    try:
+        return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), temp
+    except OSError as exc:
+        raise from_oserror(exc, "create", temp) from None
+
+
+def _open_for_reading_back(path: Path) -> int:
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise from_oserror(exc, "open for verification", path) from None
+
+
+def _fsync(fd: int, path: Path) -> None:
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        raise from_oserror(exc, "fsync", path) from None
 
 
 def _prepare_record(
@@ -610,31 +703,6 @@ def _discard(*temps: Path) -> None:
     for temp in temps:
         with contextlib.suppress(OSError):
             temp.unlink(missing_ok=True)
-
-
-def _seal_reading_back(temp: Path, task: Task) -> tuple[int, int]:
-    """Make the temporary copy ``temp`` durable (mode, mtime, fsync) and read it back:
-    its (size, CRC32C).
-
-    ``ckpt_verify`` "cache": through the client cache, in a thread during the
-    fsync (both release the GIL), so it costs no time when the flush is the
-    slower; "device": after the fsync, with the cached pages dropped.
-    """
-    sealing = files.Commit(task.target, 0o644, time.time_ns())
-    if task.verify == "device":
-        files.seal([sealing])
-        return files.checksum_file(temp, drop_cache=True)
-    try:
-        fd = os.open(temp, os.O_RDONLY)
-    except OSError as exc:
-        raise from_oserror(exc, "open for verification", temp) from None
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            reading = pool.submit(files.checksum_fd, fd, temp)
-            files.seal([sealing])
-            return reading.result()
-    finally:
-        os.close(fd)
 
 
 # --------------------------------------------------------------- committing
@@ -685,8 +753,9 @@ def try_commit(
     together, and a manifest of an older save is replaced; nor are files saved
     by another node count than ``nodes`` (a later job's ``target.json``).  PFS
     retention is the caller's next step (:func:`apply_pfs_retention`), once it
-    has said so.  ``known``: node records the caller has just renamed into place
-    (not read again).  ``on_commit`` is called once the step is known to be
+    has said so.  ``known``: node records the caller has (not read on the PFS:
+    just renamed into place, or durable under their temporary names and renamed
+    after).  ``on_commit`` is called once the step is known to be
     committed, before this call gives its commit lock up: a drain reports the
     commit that much sooner.  A commit lock another committer holds is waited
     on for up to ``patience`` seconds: that one commits (then so is this save),
@@ -1122,11 +1191,14 @@ def _retired(task: Task, retry: bool = False) -> bool:
 
 
 def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -> bool:
-    """The second half of draining ``task``: make its copy durable, verify and rename it,
-    commit the checkpoint if this node is the last, drop the copy from the page cache,
-    apply retention.  True if BB copies are left to trim once other nodes commit.  A
-    commit lock another committer holds is not waited on: its owner commits, and should
-    it die, :meth:`_Commits.look` finds its lock stale and commits instead.
+    """The second half of draining ``task``: make its copy durable, verify it and put it
+    in place, commit the checkpoint if this node is the last (before its own record is
+    published: one rename sooner), publish the record, drop the copy from the page cache
+    (if not committed here, the looking thread drops it once it sees the commit: not
+    while another node commits), apply retention.  True if BB copies are left to trim
+    once other nodes commit.  A commit lock another committer holds is not waited on:
+    its owner commits, and should it die, :meth:`_Commits.look` finds its lock stale and
+    commits instead.
 
     Left in the page cache, every drained checkpoint would hold a second copy
     of itself in the node's memory (a first one when the burst buffer is
@@ -1136,22 +1208,29 @@ def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -
     journal, so that :func:`step_committed` always finds the step in one of
     them.
     """
-    if copying.finish(journal) is None:
+    if copying.finish(journal, publish=False) is None:
         _not_copied(journal, task)
         return False
     set_aside_path(journal, task.step).unlink(missing_ok=True)  # of an earlier save, if any
-    committed = try_commit(
-        Path(task.pfs_step_dir),
-        task.nodes,
-        {task.node: copying.pfs_record},
-        on_commit=lambda: commits.settle(task, True),
-        patience=0.0,  # a lock taken: its owner commits (or, gone, the looks take over)
-    )
+
+    def commit() -> bool:
+        return try_commit(
+            Path(task.pfs_step_dir),
+            task.nodes,
+            {task.node: copying.pfs_record},
+            on_commit=lambda: commits.settle(task, True),
+            patience=0.0,  # a lock taken: its owner commits (or, gone, the looks take over)
+        )
+
+    committed = commit()  # the others' records are all there: this node is the last
+    copying.publish()
+    if not committed:  # the others may have published theirs meanwhile
+        committed = commit()
     if not committed:
         commits.settle(task, False)
     _remove_task(journal, task)
-    files.forget_cached_pages(task.target)  # once the waiting ranks know: off their path
     if committed:
+        files.forget_cached_pages(task.target)  # once the waiting ranks know: off their path
         apply_pfs_retention(Path(task.pfs_step_dir).parent, task.keep_pfs)
     return _trim_after(journal, task)
 
@@ -1337,11 +1416,14 @@ class _Commits:
             for step in damaged.keys() & still:
                 self._forget(step)
                 self.damaged_elsewhere[step] = damaged[step]
-            if (seen | damaged.keys()) & still:
+            settled = (seen | damaged.keys()) & still
+            if settled:
                 self.since = now
                 self.report()
             pause = AWAIT_POLL_SHARE * (now - self.since)
             self.next_look = now + min(max(pause, AWAIT_POLL_SECONDS[0]), AWAIT_POLL_SECONDS[1])
+        for step in settled:  # reported: now off the waiting ranks' path
+            files.forget_cached_pages(awaited[step].target)
 
     def until_next_look(self) -> float | None:
         """Seconds until :meth:`look` has something to do (None when nothing is awaited)."""
@@ -1374,6 +1456,10 @@ class _Commits:
             stopping = True
             self.news.set()
             looker.join(LOOKER_EXIT_SECONDS)  # a look stuck on a hung PFS holds no exit
+            with self.lock:
+                still_awaited = list(self.awaiting.values())
+            for task in still_awaited:  # no look will see their commit: dropped now
+                files.forget_cached_pages(task.target)
 
     def _forget(self, step: int) -> None:
         self.awaiting.pop(step, None)

@@ -218,12 +218,19 @@ def commit(items: Sequence[Commit], sealed: Sequence[str | Path] = ()) -> None:
     """
     seal(items)
     finals = [os.fspath(item.final) for item in items] + [os.fspath(f) for f in sealed]
+    rename_sealed(finals)
+    fsync_dirs({os.path.dirname(final) for final in finals})
+
+
+def rename_sealed(finals: Sequence[str | Path]) -> None:
+    """Rename the sealed temporary files of ``finals`` into place, in order, without
+    fsyncing their directories: for a caller that fsyncs them before anything depends on
+    the renames being durable.  Not collective."""
     for final in finals:
         try:
-            os.replace(temp_name(final), final)
+            os.replace(temp_name(os.fspath(final)), final)
         except OSError as exc:
             raise _fail(exc, "rename into place", final) from None
-    fsync_dirs({os.path.dirname(final) for final in finals})
 
 
 def commit_symlink(final: Path, target: str, mtime_ns: int) -> None:
