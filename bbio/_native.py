@@ -232,49 +232,42 @@ def copy_file(
                 raise UsageError(f"copy_file: {dst} is {src} itself", path=dst)
         dst_fd = _open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct, "create")
         try:
-            return _copy_whole(src_fd, src, dst_fd, dst, checksum, buffer_size, sequential, on_open)
+            return copy_whole(
+                src_fd,
+                dst_fd,
+                src_path=src,
+                dst_path=dst,
+                checksum=checksum,
+                buffer_size=buffer_size,
+                sequential=sequential,
+                on_open=on_open,
+            )
         finally:
             os.close(dst_fd)
     finally:
         os.close(src_fd)
 
 
-def copy_file_to(
-    src: str | os.PathLike,
+def copy_whole(
+    src_fd: int,
     dst_fd: int,
-    dst: str | os.PathLike,
     *,
+    src_path: str | os.PathLike | None = None,
+    dst_path: str | os.PathLike | None = None,
     checksum: bool = True,
     buffer_size: int = 2 << 20,
     sequential: bool = False,
     on_open: Callable[[], object] | None = None,
 ) -> CopyResult:
-    """Copy the whole file ``src`` into ``dst_fd``, a file the caller created empty and
-    keeps open (to fsync it without opening it again); ``dst`` names it in errors.  As
-    :func:`copy_file` otherwise: preallocated, ``on_open`` called right before the bytes
-    are copied."""
-    src_fd = _open(src, os.O_RDONLY, False, "open for reading")
-    try:
-        return _copy_whole(src_fd, src, dst_fd, dst, checksum, buffer_size, sequential, on_open)
-    finally:
-        os.close(src_fd)
-
-
-def _copy_whole(
-    src_fd: int,
-    src: str | os.PathLike,
-    dst_fd: int,
-    dst: str | os.PathLike,
-    checksum: bool,
-    buffer_size: int,
-    sequential: bool,
-    on_open: Callable[[], object] | None,
-) -> CopyResult:
+    """Copy the whole open file ``src_fd`` into ``dst_fd``, an empty file the caller
+    opened and keeps (say, to fsync it without opening it again), from their starts.
+    As :func:`copy_file` otherwise: preallocated, ``on_open`` called right before the
+    bytes are copied.  The paths only name the files in errors."""
     size = os.fstat(src_fd).st_size
     try:
         preallocate(dst_fd, size)
     except OSError as exc:
-        raise errno_error(exc.errno, f"reserve {size} bytes for the copy", dst) from None
+        raise errno_error(exc.errno, f"reserve {size} bytes for the copy", dst_path) from None
     if on_open is not None:
         on_open()
     result = copy_range(
@@ -283,8 +276,8 @@ def _copy_whole(
         checksum=checksum,
         buffer_size=buffer_size,
         sequential=sequential,
-        src_path=src,
-        dst_path=dst,
+        src_path=src_path,
+        dst_path=dst_path,
     )
     if result.nbytes != size:  # the source shrank during the copy: no reserved
         os.ftruncate(dst_fd, result.nbytes)  # nor stray bytes (a split copy's) beyond

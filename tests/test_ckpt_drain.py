@@ -235,6 +235,7 @@ def test_a_drain_awaiting_another_node_drops_its_copy_once_it_sees_the_commit(tm
     draining.start()
     try:
         assert _wait_for(lambda: drain.read_status(j0).get("awaiting") == [7])
+        assert resident_pages(node_file) > 0  # not dropped while another node commits
         assert drain.run(j1, None, finish=True, timeout=60) == 0
         assert _wait_for(lambda: drain.read_status(j0).get("committed") == [7], seconds=5)
         assert _wait_for(lambda: resident_pages(node_file) == 0, seconds=5)
@@ -311,11 +312,11 @@ def test_a_copy_of_a_file_saved_again_meanwhile_never_replaces_the_pfs_file(tmp_
     assert not list(task.target.parent.glob("*bbio-part"))  # neither copy nor record left
 
 
-def test_a_copy_goes_to_the_final_name_when_free_and_a_given_up_one_is_replaced(tmp_path):
-    """A node file goes to its final name when no file is there (nothing to rename), else
-    under its temporary name, renamed over the file there once verified.  A copy given up
-    (its file saved again meanwhile) leaves what it wrote at the final name, counting for
-    nothing, and the next save's drain replaces it."""
+def test_a_copy_goes_to_the_final_name_when_free_else_under_its_temporary_name(tmp_path):
+    """A node file goes to its final name when no file is there (nothing to rename), and
+    a copy given up (its file saved again meanwhile) deletes what it made there.  With a
+    file there (another's, left behind), it goes under its temporary name and replaces
+    that file once verified."""
     j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
     task = drain.pending(j0)[0]
     copying = drain.start_copy(task)
@@ -323,9 +324,9 @@ def test_a_copy_goes_to_the_final_name_when_free_and_a_given_up_one_is_replaced(
     record = task.source.parent / layout.node_record_name(0)
     files.write_json_atomic(record, {**files.read_json(record), "time": 2.5})  # saved again
     assert copying.finish(j0) is None
-    assert task.target.stat().st_size == task.source.stat().st_size  # left, not removed
-    assert not (task.target.parent / layout.node_record_name(0)).exists()
+    assert not task.target.exists() and not list(task.target.parent.iterdir())
     j0, j1 = two_node_save(tmp_path / "bb", 7, 2.5, elements=7)  # saved again, both nodes
+    task.target.write_bytes(b"a file another process left there")
     copying = drain.start_copy(drain.pending(j0)[0])
     assert copying.written == files.temp_path(task.target)
     assert copying.finish(j0) is not None and not copying.written.exists()
@@ -334,6 +335,30 @@ def test_a_copy_goes_to_the_final_name_when_free_and_a_given_up_one_is_replaced(
     assert manifest["time"] == 2.5
     for entry in manifest["files"]:  # node 0's file is the new save's, whole
         restore.verify_file(task.target.parent / entry["path"], entry["size"], entry["crc32c"])
+
+
+def test_a_copy_given_up_leaves_a_file_renamed_over_its_own_in_place(tmp_path):
+    """What a given-up copy made at the final name is deleted only while the name is still
+    that file's: a file renamed there since (a direct save's) stays."""
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    task = drain.pending(j0)[0]
+    copying = drain.start_copy(task)
+    assert copying.written == task.target
+    other = task.target.with_name("other")
+    other.write_bytes(b"another save's file")
+    other.replace(task.target)
+    copying.abandon()
+    assert task.target.read_bytes() == b"another save's file"
+
+
+def test_a_source_gone_before_its_copy_makes_no_file_on_the_pfs(tmp_path):
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    task = drain.pending(j0)[0]
+    task.source.unlink()
+    with pytest.raises(BBIOError) as info:
+        drain.start_copy(task)
+    assert str(task.source) in str(info.value)
+    assert not list(task.target.parent.iterdir())
 
 
 def test_the_last_node_commits_before_it_publishes_its_record(tmp_path, monkeypatch):
@@ -357,6 +382,73 @@ def test_the_last_node_commits_before_it_publishes_its_record(tmp_path, monkeypa
     assert renamed == [(layout.node_record_name(0), False), (layout.node_record_name(1), True)]
     assert drain.read_manifest(pfs_step)["time"] == 1.5
     assert files.read_json(pfs_step / layout.node_record_name(1))["time"] == 1.5
+
+
+def test_two_nodes_that_finish_together_commit_at_the_second_look(tmp_path, monkeypatch):
+    """Node 0 looks for node 1's record before node 1 has published it, node 1 for node
+    0's likewise: both publish, look again, and the second look commits."""
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
+    publish = drain.NodeCopy.publish
+    node1 = drain.start_copy(drain.pending(j1)[0])
+    assert node1.finish(j1, publish=False) is not None
+    assert drain.try_commit(pfs_step, 2, {1: node1.pfs_record}) is False  # node 0's missing
+
+    def together(copying):
+        publish(node1)  # node 1 publishes while node 0 publishes
+        publish(copying)
+
+    monkeypatch.setattr(drain.NodeCopy, "publish", together)
+    assert drain.run(j0, None, finish=True, timeout=60) == 0
+    assert drain.read_manifest(pfs_step)["time"] == 1.5
+    assert drain.read_status(j0)["committed"] == [7]
+
+
+def test_a_failed_commit_publishes_the_record_and_its_retry_copies_nothing(tmp_path, monkeypatch):
+    """The last node's commit fails once (the PFS): its record is published anyway, so
+    the other nodes' looks and the epilog can commit the step, and the retry commits it
+    without copying the file again."""
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
+    assert drain.run(j0, None, finish=True, timeout=60) == 0  # not the last: awaits
+    copies = []
+    copy_whole = _native.copy_whole
+    monkeypatch.setattr(
+        _native, "copy_whole", lambda *a, **k: copies.append(1) or copy_whole(*a, **k)
+    )
+    write = drain._write_view_then_manifest
+    published = []  # node 1's record on the PFS: when its commit failed, at its next try
+
+    def failing_once(step_dir, *rest):
+        if not published:
+            published.append((pfs_step / layout.node_record_name(1)).exists())
+            raise BBIOError("cannot write: Input/output error", path=step_dir / "global.h5")
+        return write(step_dir, *rest)
+
+    monkeypatch.setattr(drain, "_write_view_then_manifest", failing_once)
+    begin = drain._begin
+
+    def trying(journal, task, retry=False):
+        if published:  # the try after the failed one: meanwhile the others may commit it
+            published.append((pfs_step / layout.node_record_name(1)).exists())
+        return begin(journal, task, retry)
+
+    monkeypatch.setattr(drain, "_begin", trying)
+    assert drain.run(j1, None, finish=True, timeout=60) == 0  # tried again after 1 s
+    assert published == [False, True]  # the commit came before the record's rename, then it
+    assert drain.read_manifest(pfs_step)["time"] == 1.5
+    assert len(copies) == 1
+
+
+def test_a_drain_killed_before_it_published_its_record_publishes_it_when_replayed(tmp_path):
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    task = drain.pending(j0)[0]
+    record_path = task.target.parent / layout.node_record_name(0)
+    assert drain.start_copy(task).finish(j0, publish=False) is not None  # then killed
+    assert not record_path.exists()
+    replayed = drain.start_copy(task)
+    assert replayed.drained is not None and replayed.finish(j0) == replayed.drained
+    assert files.read_json(record_path)["crc32c"] == replayed.drained["crc32c"]
 
 
 def test_a_manifest_of_an_older_save_is_replaced(tmp_path):

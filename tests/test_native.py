@@ -194,27 +194,32 @@ def test_copy_file_calls_on_open_once_before_any_byte_is_copied(tmp_path):
     assert result.nbytes == len(data) and dst.read_bytes() == data
 
 
-def test_copy_file_to_copies_into_a_descriptor_it_leaves_open(tmp_path):
+def test_copy_whole_copies_between_descriptors_it_leaves_open(tmp_path):
     data = random_bytes((9 << 20) + 3, seed=7)
     src = write_file(tmp_path / "src", data)
     dst = tmp_path / "dst"
     seen: list[bytes] = []
-    fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    src_fd = os.open(src, os.O_RDONLY)
+    dst_fd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        result = _native.copy_file_to(src, fd, dst, on_open=lambda: seen.append(dst.read_bytes()))
-        os.fsync(fd)  # still open: the caller flushes it on the descriptor that wrote it
+        result = _native.copy_whole(
+            src_fd, dst_fd, dst_path=dst, on_open=lambda: seen.append(dst.read_bytes())
+        )
+        os.fsync(dst_fd)  # still open: the caller flushes it on the descriptor that wrote it
     finally:
-        os.close(fd)
+        os.close(src_fd)
+        os.close(dst_fd)
     assert len(seen) == 1 and seen[0].strip(b"\0") == b""  # empty, or reserved as zeros
     assert result.nbytes == len(data) and result.crc32c == crc32c_package.crc32c(data)
     assert dst.read_bytes() == data
-    fd = os.open(dst, os.O_WRONLY)
+    src_fd, read_only = os.open(src, os.O_RDONLY), os.open(dst, os.O_RDONLY)
     try:
-        with pytest.raises(NotFoundError) as info:
-            _native.copy_file_to(tmp_path / "nope", fd, dst)
+        with pytest.raises(BBIOError) as info:
+            _native.copy_whole(src_fd, read_only, src_path=src, dst_path=dst)
     finally:
-        os.close(fd)
-    assert str(tmp_path / "nope") in str(info.value)
+        os.close(src_fd)
+        os.close(read_only)
+    assert str(dst) in str(info.value)
 
 
 def test_copy_file_missing_source_names_path(tmp_path):

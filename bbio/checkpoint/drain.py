@@ -28,10 +28,10 @@ meanwhile, rename the copy into place (if it is not there) and record it on
 the BB too; then, if every other node's record is there, this node is the
 last: it takes the commit lock, writes ``global.h5`` (virtual datasets over
 the node files, built in memory from the records) and ``manifest.json`` at once
-under temporary names, renames ``global.h5``, fsyncs the step's directory (every
-node's renames in it), and renames ``manifest.json`` last; then it renames its
-own record into place (a node that is not the last renames it first, and looks
-again).  The drain reports the
+under temporary names, renames ``global.h5``, fsyncs the step's directory (its
+own node file's name in it too), and renames ``manifest.json`` last; then it
+renames its own record into place, also if the commit failed (a node that is
+not the last renames it first, fsyncs the directory, and looks again).  The drain reports the
 commit in ``status.json`` (``committed``), and while other nodes have still to
 commit a step it drained (``awaiting``) a thread of its own looks for their
 manifest (also while the drain copies the next checkpoint), after a tenth of
@@ -449,9 +449,10 @@ def read_manifest(step_dir: Path) -> dict[str, Any] | None:
 
 
 def start_copy(task: Task) -> NodeCopy | None:
-    """Not collective: copy ``task``'s node file to its temporary name on the PFS (not
-    yet durable): the copy to finish, or None if the step was saved again since the task
-    was queued.  A copy drained before (a replay) is not copied again."""
+    """Not collective: copy ``task``'s node file to the PFS (not yet durable): the copy
+    to finish, or None if the step was saved again since the task was queued.  A copy
+    drained before (a replay) is not copied again; its record is published if it was
+    not."""
     record_path = Path(task.pfs_step_dir) / layout.node_record_name(task.node)
     bb_record_path = Path(task.bb_step_dir) / layout.node_record_name(task.node)
     bb_record = files.read_json(bb_record_path) or {}
@@ -459,12 +460,18 @@ def start_copy(task: Task) -> NodeCopy | None:
         return None
     if bb_record.get("crc32c") is not None:  # drained before (a replay): the PFS copy may do
         existing = files.read_json(record_path)
+        unpublished = existing is None  # copied and verified, killed before its rename
+        if unpublished:
+            with contextlib.suppress(IntegrityError):  # half rewritten by a later try: copied
+                existing = files.read_json(files.temp_path(record_path))
         if (
             existing is not None
             and task.is_save_of(existing)
             and existing.get("crc32c") == bb_record["crc32c"]
             and task.target.exists()
         ):
+            if unpublished:
+                files.rename_sealed([record_path])
             return NodeCopy(task, bb_record, drained=existing)
     Path(task.pfs_step_dir).mkdir(parents=True, exist_ok=True)
     copying = NodeCopy(task, bb_record)
@@ -509,6 +516,7 @@ class NodeCopy:
         self.described: futures.Future | None = None
         self.reader: futures.Future | None = None  # the read-back's descriptor
         self.fd: int | None = None
+        self.made: tuple[int, int] | None = None  # (device, inode) of a file made in place
         self.copied: _native.CopyResult | None = None
         self.pfs_record = drained  # as renamed into place on the PFS, once it is
 
@@ -521,22 +529,38 @@ class NodeCopy:
                 self.reader = self.pool.submit(_open_for_reading_back, self.written)
             self.described = self.pool.submit(describe_node_file, self.task.source, self.task.node)
 
-        self.fd, self.written = _create_copy(self.task.target, self.temp)
-        self.copied = _native.copy_file_to(
-            self.task.source,
-            self.fd,
-            self.written,
-            checksum=True,
-            sequential=True,
-            on_open=meanwhile,
-        )
+        try:
+            source = os.open(self.task.source, os.O_RDONLY)
+        except OSError as exc:
+            raise from_oserror(exc, "open for reading", self.task.source) from None
+        try:
+            self.fd, self.written = _create_copy(self.task.target, self.temp)
+            if self.written == self.task.target:
+                made = os.fstat(self.fd)
+                self.made = made.st_dev, made.st_ino
+            self.copied = _native.copy_whole(
+                source,
+                self.fd,
+                src_path=self.task.source,
+                dst_path=self.written,
+                checksum=True,
+                sequential=True,
+                on_open=meanwhile,
+            )
+        finally:
+            os.close(source)
 
     def abandon(self) -> None:
-        """Not collective: give the copy up (its temporary files are deleted; a file made
-        at the final name stays, counting for nothing: by now it may be a later save's)."""
+        """Not collective: give the copy up (its temporary files are deleted, and a file
+        it made at the final name if that name is still that file's: not a later save's
+        renamed there since)."""
         self.pool.shutdown()
         self._close()
         _discard(self.temp, self.record_temp)
+        with contextlib.suppress(OSError):
+            now = self.task.target.stat()
+            if (now.st_dev, now.st_ino) == self.made:
+                self.task.target.unlink()
 
     def _close(self) -> None:
         fds = [self.fd]
@@ -1222,9 +1246,12 @@ def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -
             patience=0.0,  # a lock taken: its owner commits (or, gone, the looks take over)
         )
 
-    committed = commit()  # the others' records are all there: this node is the last
-    copying.publish()
-    if not committed:  # the others may have published theirs meanwhile
+    try:
+        committed = commit()  # the others' records are all there: this node is the last
+    finally:
+        copying.publish()  # also after a failed commit: for the others, and the retry
+    if not committed:  # durable before the task leaves; the others may have published theirs
+        files.fsync_dirs([Path(task.pfs_step_dir)])
         committed = commit()
     if not committed:
         commits.settle(task, False)
