@@ -31,12 +31,12 @@ the node files, built in memory from the records) and ``manifest.json`` at once
 under temporary names, renames ``global.h5``, fsyncs the step's directory (its
 own node file's name in it too), and renames ``manifest.json`` last; then it
 renames its own record into place, also if the commit failed (a node that is
-not the last renames it first, fsyncs the directory, and looks again).  The drain reports the
-commit in ``status.json`` (``committed``), and while other nodes have still to
-commit a step it drained (``awaiting``) a thread of its own looks for their
-manifest (also while the drain copies the next checkpoint), after a tenth of
-the time it has waited so far (5 to 50 ms): waiting ranks read the
-status, so one process per node, not every rank, polls the PFS; and they sleep
+not the last renames it first, fsyncs the directory, and looks again).  The
+drain reports the commit in ``status.json`` (``committed``), and while other
+nodes have still to commit a step it drained (``awaiting``) a thread of its own
+looks for their manifest (also while the drain copies the next checkpoint),
+after a tenth of the time it has waited so far (5 to 50 ms): waiting ranks read
+the status, so one process per node, not every rank, polls the PFS; and they sleep
 on their own FIFO in ``waiters/``, into which the drain writes a byte at each
 new status, so they take no CPU from the copy and learn of the commit at once.  Then PFS
 retention, and this node's BB copies beyond ``keep_bb`` that are committed
