@@ -526,7 +526,7 @@ class NodeCopy:
 
         def meanwhile() -> None:
             if self.task.verify == "cache":
-                self.reader = self.pool.submit(_open_for_reading_back, self.written)
+                self.reader = self.pool.submit(files.open_for_verification, self.written)
             self.described = self.pool.submit(describe_node_file, self.task.source, self.task.node)
 
         try:
@@ -684,13 +684,6 @@ def _create_copy(final: Path, temp: Path) -> tuple[int, Path]:
         return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), temp
     except OSError as exc:
         raise from_oserror(exc, "create", temp) from None
-
-
-def _open_for_reading_back(path: Path) -> int:
-    try:
-        return os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise from_oserror(exc, "open for verification", path) from None
 
 
 def _fsync(fd: int, path: Path) -> None:

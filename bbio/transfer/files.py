@@ -394,16 +394,22 @@ def checksum_file(path: Path, *, drop_cache: bool = False) -> tuple[int, int]:
     ``drop_cache`` first asks the kernel to drop its cached pages (after an
     fsync they are on the device), so the bytes come from the device.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise _fail(exc, "open for verification", path) from None
+    fd = open_for_verification(path)
     try:
         if drop_cache:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return checksum_fd(fd, path)
     finally:
         os.close(fd)
+
+
+def open_for_verification(path: Path) -> int:
+    """A read-only descriptor of ``path``, to read it back (:func:`checksum_fd`); errors
+    name the path.  Not collective."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise _fail(exc, "open for verification", path) from None
 
 
 def forget_cached_pages(path: Path) -> None:
