@@ -384,9 +384,95 @@ def test_the_last_node_commits_before_it_publishes_its_record(tmp_path, monkeypa
     assert files.read_json(pfs_step / layout.node_record_name(1))["time"] == 1.5
 
 
+def _watch_the_step(monkeypatch, events):
+    """Record in ``events`` the renames of records into place ("publish"), directory
+    fsyncs, commit locks taken and tasks taken out of a journal, in order."""
+    fsync_dirs, rename_sealed = files.fsync_dirs, files.rename_sealed
+    take_lock, unqueue = drain._take_commit_lock, drain._unqueue
+
+    def fsynced(directories):
+        fsync_dirs(directories)
+        events.extend(("fsync", Path(d).name) for d in directories)
+
+    def renamed(finals):
+        rename_sealed(finals)
+        events.extend(("publish", Path(f).name) for f in finals)
+
+    def locked(step_dir):
+        lock = take_lock(step_dir)
+        events.append(("lock", lock is not None))
+        return lock
+
+    def unqueued(journal, task):
+        events.append(("unqueue", task.node))
+        return unqueue(journal, task)
+
+    monkeypatch.setattr(files, "fsync_dirs", fsynced)
+    monkeypatch.setattr(files, "rename_sealed", renamed)
+    monkeypatch.setattr(drain, "_take_commit_lock", locked)
+    monkeypatch.setattr(drain, "_unqueue", unqueued)
+
+
+def test_a_node_that_is_not_the_last_makes_its_renames_durable_before_its_task_leaves(
+    tmp_path, monkeypatch
+):
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
+    events = []
+    _watch_the_step(monkeypatch, events)
+    assert drain.run(j0, None, finish=True, timeout=60) == 0
+    published = events.index(("publish", layout.node_record_name(0)))
+    assert ("fsync", pfs_step.name) in events[published : events.index(("unqueue", 0))]
+
+
+def test_ranks_learn_of_a_commit_from_the_status_and_a_re_save_then_keeps_its_record(
+    tmp_path, monkeypatch
+):
+    """The last node's waiting ranks learn of the commit from the status, which names
+    the save, while the drain still holds the task (and the commit lock, and has not
+    published its record).  A rank that saves the step again right then drops the old
+    copies (as ``save`` does: the PFS records, then the node's BB record and task under
+    the records lock) and writes its own record: the old drain never renames its record
+    over it."""
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
+    assert drain.run(j0, None, finish=True, timeout=60) == 0  # not the last: awaits
+    task = drain.pending(j1)[0]
+    record_path = pfs_step / layout.node_record_name(1)
+    seen = []
+    settle = drain._Commits.settle
+
+    def saved_again_at_once(commits, settled, done):
+        settle(commits, settled, done)
+        seen.append(
+            (
+                drain.step_committed(j1, 7, 1.5),
+                drain.step_committed(j1, 7, 2.5),
+                drain.task_path(j1, 7).exists(),
+                os.path.lexists(pfs_step / drain.COMMIT_LOCK),
+                record_path.exists(),
+            )
+        )
+        for n in range(2):  # rank 0 uncommits the step, then each node leader drops its copy
+            (pfs_step / layout.node_record_name(n)).unlink(missing_ok=True)
+        drain.manifest_path(pfs_step).unlink()
+        with drain.records_locked(j1):
+            for name in layout.node_copy_names(1):
+                (Path(task.bb_step_dir) / name).unlink()
+            drain.task_path(j1, 7).unlink()
+        files.write_json_atomic(record_path, {"node": 1, "time": 2.5})  # the new save's
+
+    monkeypatch.setattr(drain._Commits, "settle", saved_again_at_once)
+    assert drain.run(j1, None, finish=True, timeout=60) == 0
+    assert seen == [(True, False, True, True, False)]
+    assert files.read_json(record_path) == {"node": 1, "time": 2.5}
+    assert not files.temp_path(record_path).exists()
+
+
 def test_two_nodes_that_finish_together_commit_at_the_second_look(tmp_path, monkeypatch):
     """Node 0 looks for node 1's record before node 1 has published it, node 1 for node
-    0's likewise: both publish, look again, and the second look commits."""
+    0's likewise: both publish, look again, and the second look commits, with no
+    directory fsync before it (the commit's, before the manifest, covers the renames)."""
     j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
     pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
     publish = drain.NodeCopy.publish
@@ -394,14 +480,18 @@ def test_two_nodes_that_finish_together_commit_at_the_second_look(tmp_path, monk
     assert node1.finish(j1, publish=False) is not None
     assert drain.try_commit(pfs_step, 2, {1: node1.pfs_record}) is False  # node 0's missing
 
-    def together(copying):
-        publish(node1)  # node 1 publishes while node 0 publishes
-        publish(copying)
+    def together(copying, journal):
+        publish(node1, j1)  # node 1 publishes while node 0 publishes
+        publish(copying, journal)
 
     monkeypatch.setattr(drain.NodeCopy, "publish", together)
+    events = []
+    _watch_the_step(monkeypatch, events)
     assert drain.run(j0, None, finish=True, timeout=60) == 0
     assert drain.read_manifest(pfs_step)["time"] == 1.5
     assert drain.read_status(j0)["committed"] == [7]
+    published = events.index(("publish", layout.node_record_name(0)))
+    assert ("fsync", pfs_step.name) not in events[published : events.index(("lock", True))]
 
 
 def test_a_failed_commit_publishes_the_record_and_its_retry_copies_nothing(tmp_path, monkeypatch):
@@ -451,6 +541,47 @@ def test_a_drain_killed_before_it_published_its_record_publishes_it_when_replaye
     assert files.read_json(record_path)["crc32c"] == replayed.drained["crc32c"]
 
 
+def test_global_view_is_made_in_place_durably_and_renamed_over_an_older_save_s(
+    tmp_path, monkeypatch
+):
+    """A first commit writes ``global.h5`` at its final name, fsyncs the step's directory
+    (the view's and the node files' names) and only then renames the manifest: nothing
+    else is renamed.  A commit of a newer save of the step, with the older one's view
+    there, writes its view under a temporary name and renames it before the manifest."""
+    pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
+    events = []
+    fsync_dirs, replace = files.fsync_dirs, os.replace
+
+    def fsynced(directories):
+        fsync_dirs(directories)
+        events.extend(("fsync", Path(d).name) for d in directories)
+
+    def renamed(source, target):
+        replace(source, target)
+        events.append(("rename", Path(target).name))
+
+    monkeypatch.setattr(files, "fsync_dirs", fsynced)
+    monkeypatch.setattr(os, "replace", renamed)
+    for save in (1.5, 2.5):
+        j0, j1 = two_node_save(tmp_path / "bb", 7, save)
+        for journal in (j0, j1):
+            assert drain.start_copy(drain.pending(journal)[0]).finish(journal) is not None
+        events.clear()
+        assert drain.try_commit(pfs_step, 2) is True
+        renames = [name for what, name in events if what == "rename"]
+        manifest_at = events.index(("rename", drain.MANIFEST))
+        assert ("fsync", pfs_step.name) in events[:manifest_at]
+        if save == 1.5:
+            assert renames == [drain.MANIFEST]
+        else:
+            assert renames == [drain.GLOBAL_VIEW, drain.MANIFEST]
+        manifest = drain.read_manifest(pfs_step)
+        assert manifest["time"] == save
+        view = next(f for f in manifest["files"] if f["path"] == drain.GLOBAL_VIEW)
+        assert files.checksum_file(pfs_step / drain.GLOBAL_VIEW) == (view["size"], view["crc32c"])
+        assert not [p.name for p in pfs_step.iterdir() if files.is_temp_name(p.name)]
+
+
 def test_a_manifest_of_an_older_save_is_replaced(tmp_path):
     j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
     pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
@@ -474,7 +605,7 @@ def test_a_commit_lock_just_created_by_another_node_is_waited_for_not_an_error(t
     pfs_step = tmp_path / "pfs" / layout.step_dirname(7)
     assert drain.run(j0, None, finish=True, timeout=60) == 0
     lock = pfs_step / drain.COMMIT_LOCK
-    lock.touch()
+    os.symlink(json.dumps({"host": "another-node", "pid": 1}), lock)
     background = threading.Thread(target=drain.run, args=(j1, os.getpid(), False, None))
     background.start()
     try:
@@ -506,15 +637,15 @@ def test_a_commit_lock_of_a_dead_committer_elsewhere_is_waited_out_then_taken(tm
     for journal in (j0, j1):
         assert drain.start_copy(drain.pending(journal)[0]).finish(journal) is not None
     lock = pfs_step / drain.COMMIT_LOCK
-    lock.write_text(json.dumps({"host": "a-dead-node", "pid": 1}))
+    os.symlink(json.dumps({"host": "a-dead-node", "pid": 1}), lock)
     nearly_stale = time.time() - drain.STALE_LOCK_SECONDS + 1.5
-    os.utime(lock, (nearly_stale, nearly_stale))
+    os.utime(lock, (nearly_stale, nearly_stale), follow_symlinks=False)
     assert drain.try_commit(pfs_step, 2, patience=0.2) is False
     assert drain.read_manifest(pfs_step) is None
     start = time.monotonic()
     assert drain.try_commit(pfs_step, 2) is True
     assert 1 <= time.monotonic() - start < 30
-    assert drain.read_manifest(pfs_step)["time"] == 1.5 and not lock.exists()
+    assert drain.read_manifest(pfs_step)["time"] == 1.5 and not os.path.lexists(lock)
 
 
 def test_a_commit_takes_the_records_its_caller_just_renamed_into_place(tmp_path):
@@ -546,10 +677,10 @@ def test_a_commit_is_reported_under_its_lock_and_a_repeated_one_renames_nothing(
     seen = []
 
     def report():
-        seen.append((lock.exists(), drain.committed_save(pfs_step, 1.5)))
+        seen.append((os.path.lexists(lock), drain.committed_save(pfs_step, 1.5)))
 
     assert drain.try_commit(pfs_step, 2, on_commit=report) is True
-    assert seen == [(True, True)] and not lock.exists()
+    assert seen == [(True, True)] and not os.path.lexists(lock)
     manifest = drain.manifest_path(pfs_step)
     first = manifest.stat().st_ino
     assert drain.try_commit(pfs_step, 2, on_commit=report) is True
@@ -560,7 +691,7 @@ def test_a_commit_is_reported_under_its_lock_and_a_repeated_one_renames_nothing(
         assert drain.committed_steps(pfs_step.parent) == []
         assert drain.try_commit(pfs_step, 2) is True
         assert drain.read_manifest(pfs_step)["time"] == 1.5
-    lock.touch()  # another node's committer, just started
+    os.symlink(json.dumps({"host": "another-node", "pid": 1}), lock)  # just taken
     assert drain.try_commit(pfs_step, 2, on_commit=report) is True and len(seen) == 3
 
 
@@ -1314,13 +1445,28 @@ def test_the_finish_commits_what_this_node_drained_after_a_dead_committer_s_lock
     assert drain.commit_ready(drain.journal_dir(later_job)) == []
     assert drain.read_manifest(pfs / layout.step_dirname(7)) is None
     lock = pfs / layout.step_dirname(7) / drain.COMMIT_LOCK
-    lock.write_text(json.dumps({"host": "a-dead-node", "pid": 1}))
+    os.symlink(json.dumps({"host": "a-dead-node", "pid": 1}), lock)
     nearly_stale = time.time() - drain.STALE_LOCK_SECONDS + 2
-    os.utime(lock, (nearly_stale, nearly_stale))
+    os.utime(lock, (nearly_stale, nearly_stale), follow_symlinks=False)
     start = time.monotonic()
     assert drain.commit_ready(j1) == [7]
     assert 1 <= time.monotonic() - start < 30
     assert drain.read_manifest(pfs / layout.step_dirname(7))["time"] == 1.5
+
+
+def test_a_commit_lock_names_its_owner_and_one_that_names_none_is_judged_by_its_age(tmp_path):
+    """The lock is a symbolic link whose target names the committer; a file there that
+    names no owner (not a lock bbio made) is held until it is stale by its age."""
+    step_dir = tmp_path / "step"
+    step_dir.mkdir()
+    lock = step_dir / drain.COMMIT_LOCK
+    lock.write_text("")
+    assert drain._take_commit_lock(step_dir) is None
+    old = time.time() - drain.STALE_LOCK_SECONDS - 1
+    os.utime(lock, (old, old))
+    mine = drain._take_commit_lock(step_dir)
+    assert mine == lock and mine.is_symlink()
+    assert json.loads(os.readlink(mine))["pid"] == os.getpid()
 
 
 def test_a_commit_lock_whose_pid_a_later_process_reuses_is_stale(tmp_path):
@@ -1336,9 +1482,10 @@ def test_a_commit_lock_whose_pid_a_later_process_reuses_is_stale(tmp_path):
     step_dir = pfs / layout.step_dirname(7)
     mine = drain._take_commit_lock(step_dir)
     assert mine is not None and drain._take_commit_lock(step_dir) is None  # alive: held
-    owner = json.loads(mine.read_text())
+    owner = json.loads(os.readlink(mine))
     assert owner["pid"] == os.getpid() and owner["started"]
-    mine.write_text(json.dumps({**owner, "started": "an-earlier-boot:12345"}))
+    mine.unlink()
+    os.symlink(json.dumps({**owner, "started": "an-earlier-boot:12345"}), mine)
     start = time.monotonic()
     assert drain.commit_ready(j1) == [7]
     assert time.monotonic() - start < 10

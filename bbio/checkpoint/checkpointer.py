@@ -76,7 +76,7 @@ class SaveHandle:
         when it cannot tell, or the save is not the drain's (skipped, or direct)."""
         if self.skipped or self.direct:
             return None
-        return drain.step_committed(self.journal, self.step)
+        return drain.step_committed(self.journal, self.step, self.save_time)
 
     def _done(self, known: bool | None) -> bool:
         """:meth:`done`, given what the drain knows (``known``)."""
@@ -398,8 +398,8 @@ class Checkpointer:
                             f"not committed: another process held its commit lock for "
                             f"{drain.COMMIT_PATIENCE_SECONDS:.0f} s",
                             path=step_dir / drain.COMMIT_LOCK,
-                            hint="see which host and process the lock names; once that one "
-                            "is gone, save the step again",
+                            hint="see which host and process the lock names ('readlink' "
+                            "it); once that one is gone, save the step again",
                         )
                     drain.apply_pfs_retention(step_dir.parent, self.keep_pfs)
             return dataclasses.replace(handle, direct=True)

@@ -27,13 +27,18 @@ its temporary name, durably; only if the node file was not saved again
 meanwhile, rename the copy into place (if it is not there) and record it on
 the BB too; then, if every other node's record is there, this node is the
 last: it takes the commit lock, writes ``global.h5`` (virtual datasets over
-the node files, built in memory from the records) and ``manifest.json`` at once
-under temporary names, renames ``global.h5``, fsyncs the step's directory (its
-own node file's name in it too), and renames ``manifest.json`` last; then it
-renames its own record into place, also if the commit failed (a node that is
-not the last renames it first, fsyncs the directory, and looks again).  The
-drain reports the commit in ``status.json`` (``committed``), and while other
-nodes have still to commit a step it drained (``awaiting``) a thread of its own
+the node files, built in memory from the records: at its final name if no file
+is there, then fsyncs the step's directory, its own node file's name in it too;
+else under a temporary name, renamed, then the fsync) and ``manifest.json``
+(under a temporary name) at once, and renames ``manifest.json`` last; then it
+renames its own record into place (unless the step was saved again since),
+also if the commit failed (a node that is
+not the last renames it first and looks again; if it is still not the last, it
+fsyncs the directory: a commit's own directory fsync covers the renames).  The
+drain reports the commit in ``status.json`` (``committed``, and each step's save
+in ``committed_saves``: waiting ranks learn of it there, before the drain is done
+with its task), and while other nodes have still to commit a step it drained
+(``awaiting``) a thread of its own
 looks for their manifest (also while the drain copies the next checkpoint),
 after a tenth of the time it has waited so far (5 to 50 ms): waiting ranks read
 the status, so one process per node, not every rank, polls the PFS; and they sleep
@@ -596,7 +601,7 @@ class NodeCopy:
             drained = {**self.bb_record, **record, "complete": True}
             files.write_json_atomic(self.bb_record_path, drained)
         if publish:
-            self.publish()
+            self.publish(journal)
         return record
 
     def _seal(self) -> dict[str, Any] | None:
@@ -638,11 +643,21 @@ class NodeCopy:
         self.pfs_record = {**record, "contents": contents}
         return record
 
-    def publish(self) -> None:
+    def publish(self, journal: Path) -> None:
         """Rename the node's PFS record into place (durable under its temporary name since
-        :meth:`finish`): the other nodes' drains see the file drained.  Not collective."""
-        if self.drained is None:
-            files.rename_sealed([self.record_path])
+        :meth:`finish`): the other nodes' drains see the file drained.  Not if the step
+        was saved again since (its BB record is gone or another save's): that save's
+        copy puts its own record there, and this one, renamed after, would replace it.
+        Under :func:`records_locked`, which a save holds while it drops the step's BB
+        record, before anything of the new save is written.  Not collective."""
+        if self.drained is not None:
+            return
+        with records_locked(journal):
+            now = files.read_json(self.bb_record_path)
+            if now is not None and self.task.is_save_of(now):
+                files.rename_sealed([self.record_path])
+                return
+        _discard(self.record_temp)
 
     def _flush_and_read_back(self) -> tuple[int, int]:
         """fsync the copy on the descriptor that wrote it and read it back: its (size,
@@ -725,33 +740,44 @@ def _discard(*temps: Path) -> None:
 # --------------------------------------------------------------- committing
 
 
+def _lock_owner(lock: Path) -> dict[str, Any]:
+    """Who holds the commit lock ``lock``: its owner's host, pid, start and the time it
+    took the lock, as the lock says ({} if it cannot say).  Not collective."""
+    try:
+        owner = json.loads(os.readlink(lock))
+    except (OSError, ValueError):  # gone, or not a lock bbio made
+        return {}
+    return owner if isinstance(owner, dict) else {}
+
+
 def _lock_is_stale(lock: Path) -> bool:
-    """Is the commit lock left by a committer that died?  A lock still empty (its
-    owner created it and is writing who it is) or unreadable is judged by its age."""
+    """Is the commit lock left by a committer that died?  One of this host is judged by
+    its owner's process; one of another host, or one that names no owner, by its age."""
+    owner = _lock_owner(lock)
+    if owner.get("host") == socket.gethostname() and isinstance(owner.get("pid"), int):
+        return not _process_alive(owner["pid"], owner.get("started"))
     try:
-        info = files.read_json(lock) or {}
-    except BBIOError:
-        info = {}
-    if info.get("host") == socket.gethostname() and isinstance(info.get("pid"), int):
-        return not _process_alive(info["pid"], info.get("started"))
-    try:
-        return time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS
+        return time.time() - lock.lstat().st_mtime > STALE_LOCK_SECONDS
     except FileNotFoundError:
         return True
 
 
 def _take_commit_lock(step_dir: Path) -> Path | None:
+    """The commit lock of ``step_dir``, or None if a live committer holds it.  The lock
+    is a symbolic link whose target names its owner (:func:`_lock_owner`): made with its
+    owner in one PFS call, never seen without one."""
     lock = step_dir / COMMIT_LOCK
+    owner = json.dumps({**_identity(), "time": time.time()}, separators=(",", ":"))
     for _ in range(2):
         try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.symlink(owner, lock)
         except FileExistsError:
             if not _lock_is_stale(lock):
                 return None
             lock.unlink(missing_ok=True)
             continue
-        with os.fdopen(fd, "w") as f:
-            json.dump({**_identity(), "time": time.time()}, f)
+        except OSError as exc:
+            raise from_oserror(exc, "take the commit lock", lock) from None
         return lock
     return None
 
@@ -851,37 +877,50 @@ def _commit_documents(
 def _write_view_then_manifest(
     step_dir: Path, view: bytes, manifest: dict[str, Any], save: float | None
 ) -> None:
-    """Under the commit lock: write ``global.h5`` and the manifest durably at once under
-    temporary names of their own (a committer that took a lock judged stale never
-    shares them), fsync the checkpointer's directory (the step's entry in it), and
-    meanwhile read the manifest in place.  Unless that one is of this ``save`` already
-    (then the new files are dropped), remove it (of an older save, or damaged), rename
-    ``global.h5``, fsync the step's directory, and rename the manifest last."""
+    """Under the commit lock: write ``global.h5`` and the manifest durably at once, the
+    manifest under a temporary name of its own (a committer that took a lock judged
+    stale never shares it), ``global.h5`` at its final name if no file is there (it
+    counts for nothing without a manifest), else under a temporary name of its own;
+    fsync the checkpointer's directory (the step's entry in it), and meanwhile read the
+    manifest in place.  Unless that one is of this ``save`` already (then the new files
+    are dropped), remove it (of an older save, or damaged), rename ``global.h5`` if it
+    is not in place, fsync the step's directory (in the writing thread for one made in
+    place), and rename the manifest last."""
     document = json.dumps(manifest, separators=(",", ":")).encode()
     view_temp = files.unique_temp_path(step_dir / GLOBAL_VIEW)
     manifest_temp = files.unique_temp_path(manifest_path(step_dir))
     try:
         with ThreadPoolExecutor(2) as pool:
-            writes = [
-                pool.submit(files.write_durably, view_temp, view),
-                pool.submit(_write_with_entry, manifest_temp, document, step_dir),
-            ]
+            view_write = pool.submit(_write_view, step_dir, view, view_temp)
+            manifest_write = pool.submit(_write_with_entry, manifest_temp, document, step_dir)
             try:
                 in_place, current = _manifest_in_place(step_dir)
             finally:
-                futures.wait(writes)
-            for write in writes:
-                write.result()
+                futures.wait([view_write, manifest_write])
+            made_in_place = view_write.result()
+            manifest_write.result()
         if current is not None and current.get("time") == save:
             _discard(view_temp, manifest_temp)  # committed before, by a committer now gone
             return
         if in_place:
             manifest_path(step_dir).unlink(missing_ok=True)
-        files.rename_durably(view_temp, step_dir / GLOBAL_VIEW)
+        if not made_in_place:
+            files.rename_durably(view_temp, step_dir / GLOBAL_VIEW)
         files.rename_durably(manifest_temp, manifest_path(step_dir))
     except BaseException:
         _discard(view_temp, manifest_temp)
         raise
+
+
+def _write_view(step_dir: Path, view: bytes, temp: Path) -> bool:
+    """Write ``global.h5`` durably at its final name if no file is there, then fsync
+    ``step_dir`` (its entry, and the node files' made before it, durable before the
+    manifest's rename): True; else under ``temp``: False."""
+    if files.create_durably(step_dir / GLOBAL_VIEW, view):
+        files.fsync_dirs([step_dir])
+        return True
+    files.write_durably(temp, view)
+    return False
 
 
 def _write_with_entry(path: Path, data: bytes, step_dir: Path) -> None:
@@ -1210,20 +1249,22 @@ def _retired(task: Task, retry: bool = False) -> bool:
 def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -> bool:
     """The second half of draining ``task``: make its copy durable, verify it and put it
     in place, commit the checkpoint if this node is the last (before its own record is
-    published: one rename sooner), publish the record, drop the copy from the page cache
-    (if not committed here, the looking thread drops it once it sees the commit: not
-    while another node commits), apply retention.  True if BB copies are left to trim
-    once other nodes commit.  A commit lock another committer holds is not waited on:
-    its owner commits, and should it die, :meth:`_Commits.look` finds its lock stale and
-    commits instead.
+    published: one rename sooner), publish the record (unless the step was saved again
+    meanwhile), drop the copy from the page cache (if not committed here, the looking
+    thread drops it once it sees the commit: not while another node commits), apply
+    retention.  True if BB copies are left to trim once other nodes commit.  A commit
+    lock another committer holds is not waited on: its owner commits, and should it
+    die, :meth:`_Commits.look` finds its lock stale and commits instead.
 
     Left in the page cache, every drained checkpoint would hold a second copy
     of itself in the node's memory (a first one when the burst buffer is
     tmpfs) and push out the job's own pages.
 
-    The commit is reported (``commits.settle``) before the task leaves the
-    journal, so that :func:`step_committed` always finds the step in one of
-    them.
+    The commit is reported (``commits.settle``, naming its save) while the
+    commit lock is held, before the lock is removed, the record published and the
+    task taken out of the journal: the waiting ranks learn of it from the status
+    (:func:`step_committed`) three PFS round trips sooner, and a drain killed in
+    between leaves its task, which its replay finishes.
     """
     if copying.finish(journal, publish=False) is None:
         _not_copied(journal, task)
@@ -1235,18 +1276,18 @@ def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -
             Path(task.pfs_step_dir),
             task.nodes,
             {task.node: copying.pfs_record},
-            on_commit=lambda: commits.settle(task, True),
+            on_commit=lambda: commits.settle(task, True),  # the waiting ranks learn of it now
             patience=0.0,  # a lock taken: its owner commits (or, gone, the looks take over)
         )
 
     try:
         committed = commit()  # the others' records are all there: this node is the last
     finally:
-        copying.publish()  # also after a failed commit: for the others, and the retry
-    if not committed:  # durable before the task leaves; the others may have published theirs
-        files.fsync_dirs([Path(task.pfs_step_dir)])
-        committed = commit()
+        copying.publish(journal)  # also after a failed commit: for the others, and the retry
+    if not committed:  # the others may have published theirs meanwhile
+        committed = commit()  # its directory fsync, before the manifest, covers the renames
     if not committed:
+        files.fsync_dirs([Path(task.pfs_step_dir)])  # the renames durable before the task leaves
         commits.settle(task, False)
     _remove_task(journal, task)
     if committed:
@@ -1342,6 +1383,7 @@ class _Commits:
         self.rest: dict[str, Any] = {"state": "idle"}
         self.awaiting: dict[int, Task] = {}
         self.committed: list[int] = []
+        self.saves: dict[int, float | None] = {}  # the save of each step in ``committed``
         self.failures: dict[tuple[int, float | None], _Failure] = {}
         self.damaged_elsewhere: dict[int, dict[str, Any]] = {}  # awaited, set aside by a node
         self.since = self.next_look = self.next_damaged_look = self.next_orphan_look = 0.0
@@ -1368,6 +1410,7 @@ class _Commits:
                 self.journal,
                 awaiting=sorted(self.awaiting),
                 committed=self.committed,
+                committed_saves={str(step): self.saves[step] for step in self.committed},
                 failing=sorted({step for step, _ in self.failures}),
                 damaged={str(step): damaged[step] for step in sorted(damaged)},
                 **{"error": None, "retries": 0, **trouble, **activity},
@@ -1394,7 +1437,7 @@ class _Commits:
             self.damaged_elsewhere.pop(task.step, None)  # of an earlier save of the step
             first = not self.awaiting
             if done:
-                self._add(task.step)
+                self._add(task.step, task.save_time)
             else:
                 self.awaiting[task.step] = task
             self.report()
@@ -1432,7 +1475,7 @@ class _Commits:
             still = {step for step, task in self.awaiting.items() if awaited.get(step) is task}
             for step in seen & still:
                 self._forget(step)
-                self._add(step)
+                self._add(step, awaited[step].save_time)
             for step in damaged.keys() & still:
                 self._forget(step)
                 self.damaged_elsewhere[step] = damaged[step]
@@ -1484,9 +1527,13 @@ class _Commits:
     def _forget(self, step: int) -> None:
         self.awaiting.pop(step, None)
         self.committed[:] = [s for s in self.committed if s != step]
+        self.saves.pop(step, None)
 
-    def _add(self, step: int) -> None:
+    def _add(self, step: int, save: float | None) -> None:
         self.committed.append(step)
+        self.saves[step] = save
+        for old in self.committed[:-RECENT_COMMITS]:
+            self.saves.pop(old, None)
         del self.committed[:-RECENT_COMMITS]
 
 
@@ -1524,16 +1571,21 @@ def was_committed(step_dir: Path, step: int, save: float | None = None) -> bool:
         return False
 
 
-def step_committed(journal: Path, step: int) -> bool | None:
+def step_committed(journal: Path, step: int, save: float | None = None) -> bool | None:
     """What this node's drain knows of ``step``: committed (True), not yet (False), or None.
 
-    None when the step is not in the journal and no drain is running to tell:
-    only the PFS manifest can say then.  Cheap (the journal is on the BB), so
-    every waiting rank asks here and only the drain looks at the PFS.
+    True as soon as the drain reports the step committed by the save of time
+    ``save`` (before the drain is done with its task); else False while the step
+    is queued (it may be a later save's), and None when the step is not in the
+    journal and no drain is running to tell: only the PFS manifest can say then.
+    Cheap (the journal is on the BB), so every waiting rank asks here and only
+    the drain looks at the PFS.
     """
+    status = read_status(journal)
+    if save is not None and (status.get("committed_saves") or {}).get(str(step)) == save:
+        return True
     if task_path(journal, step).exists():
         return False
-    status = read_status(journal)
     if step in status.get("committed", ()):
         return True
     awaited = step in status.get("awaiting", ())

@@ -308,8 +308,20 @@ def write_durably(path: Path, data: bytes, mode: int = 0o644) -> None:
         raise _fail(exc, "write", path) from None
 
 
-def _write_fsynced(path: Path, data: bytes, mode: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+def create_durably(path: Path, data: bytes, mode: int = 0o644) -> bool:
+    """Create ``path`` if no file is there, write ``data`` whole and fsync it: True, or
+    False (nothing written) if a file is there.  Not collective."""
+    try:
+        _write_fsynced(path, data, mode, os.O_EXCL)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        raise _fail(exc, "write", path) from None
+    return True
+
+
+def _write_fsynced(path: Path, data: bytes, mode: int, flags: int = os.O_TRUNC) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | flags, mode)
     try:
         view = memoryview(data)
         while view:
