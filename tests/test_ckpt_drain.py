@@ -469,6 +469,60 @@ def test_ranks_learn_of_a_commit_from_the_status_and_a_re_save_then_keeps_its_re
     assert not files.temp_path(record_path).exists()
 
 
+def test_a_rank_that_read_the_status_before_the_drain_settled_reads_it_again(tmp_path, monkeypatch):
+    """Step 7 was committed by save 1.5 and saved again (2.5).  A rank waiting for 2.5
+    reads the status, which still reports 1.5 committed; the drain then reports 7
+    awaited and takes 2.5's task out.  Finding no task, the rank reads the status again:
+    not committed (the status it read first was older than the task's look)."""
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    drain._write_status(journal, committed=[7], committed_saves={"7": 1.5}, awaiting=[])
+    task_file = drain.task_path(journal, 7)
+    task_file.write_text("{}")
+    read_status = drain.read_status
+    reads = []
+
+    def settled_meanwhile(path):
+        status = read_status(path)
+        if not reads:
+            drain._write_status(journal, committed=[], committed_saves={}, awaiting=[7])
+            task_file.unlink()
+        reads.append(status)
+        return status
+
+    monkeypatch.setattr(drain, "read_status", settled_meanwhile)
+    assert drain.step_committed(journal, 7, 2.5) is False
+    assert len(reads) == 2
+
+
+def test_a_save_replaced_before_its_record_is_published_is_left_to_the_new_one(
+    tmp_path, monkeypatch
+):
+    """Node 0 (not the last) has copied step 7's save 1.5 when the step is saved again:
+    the save drops node 0's BB record and task under the records lock.  The drain then
+    neither publishes the old record (it deletes its temporary file), nor looks again,
+    nor awaits the old save; a replay of such a copy does not publish either."""
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    task = drain.pending(j0)[0]
+    record_path = task.target.parent / layout.node_record_name(0)
+    events = []
+    _watch_the_step(monkeypatch, events)
+    publish = drain._publish
+
+    def saved_again_first(publishing):
+        with drain.records_locked(j0):
+            for name in layout.node_copy_names(0):
+                (Path(task.bb_step_dir) / name).unlink()
+            drain.task_path(j0, 7).unlink()
+        return publish(publishing)
+
+    monkeypatch.setattr(drain, "_publish", saved_again_first)
+    assert drain.run(j0, None, finish=True, timeout=60) == 0
+    assert not record_path.exists() and not files.temp_path(record_path).exists()
+    assert ("lock", True) not in events and ("lock", False) not in events
+    assert drain.read_status(j0)["awaiting"] == []
+
+
 def test_two_nodes_that_finish_together_commit_at_the_second_look(tmp_path, monkeypatch):
     """Node 0 looks for node 1's record before node 1 has published it, node 1 for node
     0's likewise: both publish, look again, and the second look commits, with no
@@ -480,9 +534,9 @@ def test_two_nodes_that_finish_together_commit_at_the_second_look(tmp_path, monk
     assert node1.finish(j1, publish=False) is not None
     assert drain.try_commit(pfs_step, 2, {1: node1.pfs_record}) is False  # node 0's missing
 
-    def together(copying, journal):
-        publish(node1, j1)  # node 1 publishes while node 0 publishes
-        publish(copying, journal)
+    def together(copying):
+        publish(node1)  # node 1 publishes while node 0 publishes
+        return publish(copying)
 
     monkeypatch.setattr(drain.NodeCopy, "publish", together)
     events = []
@@ -539,6 +593,11 @@ def test_a_drain_killed_before_it_published_its_record_publishes_it_when_replaye
     replayed = drain.start_copy(task)
     assert replayed.drained is not None and replayed.finish(j0) == replayed.drained
     assert files.read_json(record_path)["crc32c"] == replayed.drained["crc32c"]
+    record_path.replace(files.temp_path(record_path))  # unpublished again, then saved again:
+    bb_record = Path(task.bb_step_dir) / layout.node_record_name(0)  # the new save's record
+    files.write_json_atomic(bb_record, {**files.read_json(bb_record), "time": 2.5})
+    assert drain._publish(task) is False  # a replay's rename goes through the same check
+    assert not record_path.exists() and not files.temp_path(record_path).exists()
 
 
 def test_global_view_is_made_in_place_durably_and_renamed_over_an_older_save_s(
@@ -621,6 +680,7 @@ def test_a_commit_lock_just_created_by_another_node_is_waited_for_not_an_error(t
         while 7 not in drain.read_status(j1).get("committed", ()):
             assert time.monotonic() < deadline, drain.read_status(j1)
             time.sleep(0.05)
+        assert drain.read_status(j1)["committed_saves"] == {"7": None}  # of any save's records
     finally:
         (j1 / drain.STOP).touch()
         background.join(30)

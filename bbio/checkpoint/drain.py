@@ -475,8 +475,8 @@ def start_copy(task: Task) -> NodeCopy | None:
             and existing.get("crc32c") == bb_record["crc32c"]
             and task.target.exists()
         ):
-            if unpublished:
-                files.rename_sealed([record_path])
+            if unpublished and not _publish(task):
+                return None  # saved again since: not this save's to publish
             return NodeCopy(task, bb_record, drained=existing)
     Path(task.pfs_step_dir).mkdir(parents=True, exist_ok=True)
     copying = NodeCopy(task, bb_record)
@@ -601,7 +601,7 @@ class NodeCopy:
             drained = {**self.bb_record, **record, "complete": True}
             files.write_json_atomic(self.bb_record_path, drained)
         if publish:
-            self.publish(journal)
+            self.publish()
         return record
 
     def _seal(self) -> dict[str, Any] | None:
@@ -643,21 +643,11 @@ class NodeCopy:
         self.pfs_record = {**record, "contents": contents}
         return record
 
-    def publish(self, journal: Path) -> None:
+    def publish(self) -> bool:
         """Rename the node's PFS record into place (durable under its temporary name since
-        :meth:`finish`): the other nodes' drains see the file drained.  Not if the step
-        was saved again since (its BB record is gone or another save's): that save's
-        copy puts its own record there, and this one, renamed after, would replace it.
-        Under :func:`records_locked`, which a save holds while it drops the step's BB
-        record, before anything of the new save is written.  Not collective."""
-        if self.drained is not None:
-            return
-        with records_locked(journal):
-            now = files.read_json(self.bb_record_path)
-            if now is not None and self.task.is_save_of(now):
-                files.rename_sealed([self.record_path])
-                return
-        _discard(self.record_temp)
+        :meth:`finish`), see :func:`_publish`; False if the step was saved again since.
+        Not collective."""
+        return self.drained is not None or _publish(self.task)
 
     def _flush_and_read_back(self) -> tuple[int, int]:
         """fsync the copy on the descriptor that wrote it and read it back: its (size,
@@ -684,6 +674,24 @@ class NodeCopy:
             return reading.result()
         finally:
             self._close()
+
+
+def _publish(task: Task) -> bool:
+    """Rename ``task``'s PFS record into place from its temporary name: the other nodes'
+    drains see the file drained.  Not if the step was saved again since (its BB record
+    is gone or another save's): that save's copy puts its own record there, and this
+    one, renamed after, would replace it; the temporary record is deleted, and False
+    returned.  Under :func:`records_locked`, which a save holds while it drops the
+    step's BB record, before anything of the new save is written.  Not collective."""
+    record_path = Path(task.pfs_step_dir) / layout.node_record_name(task.node)
+    bb_record_path = Path(task.bb_step_dir) / layout.node_record_name(task.node)
+    with records_locked(journal_dir(Path(task.bb_step_dir).parent)):
+        now = files.read_json(bb_record_path)
+        if now is not None and task.is_save_of(now):
+            files.rename_sealed([record_path])
+            return True
+    _discard(files.temp_path(record_path))
+    return False
 
 
 def _create_copy(final: Path, temp: Path) -> tuple[int, Path]:
@@ -1283,12 +1291,12 @@ def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -
     try:
         committed = commit()  # the others' records are all there: this node is the last
     finally:
-        copying.publish(journal)  # also after a failed commit: for the others, and the retry
-    if not committed:  # the others may have published theirs meanwhile
-        committed = commit()  # its directory fsync, before the manifest, covers the renames
-    if not committed:
-        files.fsync_dirs([Path(task.pfs_step_dir)])  # the renames durable before the task leaves
-        commits.settle(task, False)
+        published = copying.publish()  # also after a failed commit: for the others, the retry
+    if not committed and published:  # not published: saved again, the new task drains it
+        committed = commit()  # the others may have published meanwhile (its fsync covers ours)
+        if not committed:
+            files.fsync_dirs([Path(task.pfs_step_dir)])  # our renames durable before we leave
+            commits.settle(task, False)
     _remove_task(journal, task)
     if committed:
         files.forget_cached_pages(task.target)  # once the waiting ranks know: off their path
@@ -1464,18 +1472,20 @@ class _Commits:
                 and (marker := damaged_save(Path(task.pfs_step_dir), task.save_time)) is not None
             }  # another node's file of this save is damaged
             self.next_damaged_look = now + AWAIT_POLL_SECONDS[1]
+        orphans = set()  # committed by this look, of whichever save has every record there
         if now >= self.next_orphan_look:  # rarer still: a committer that died, or gave up
-            seen |= {
+            orphans = {
                 step
                 for step, task in awaited.items()
                 if step not in seen and step not in damaged and _commit_orphan(task)
             }
+            seen |= orphans
             self.next_orphan_look = now + ORPHAN_LOOK_SECONDS
         with self.lock:
             still = {step for step, task in self.awaiting.items() if awaited.get(step) is task}
             for step in seen & still:
                 self._forget(step)
-                self._add(step, awaited[step].save_time)
+                self._add(step, None if step in orphans else awaited[step].save_time)
             for step in damaged.keys() & still:
                 self._forget(step)
                 self.damaged_elsewhere[step] = damaged[step]
@@ -1581,11 +1591,11 @@ def step_committed(journal: Path, step: int, save: float | None = None) -> bool 
     Cheap (the journal is on the BB), so every waiting rank asks here and only
     the drain looks at the PFS.
     """
-    status = read_status(journal)
-    if save is not None and (status.get("committed_saves") or {}).get(str(step)) == save:
+    if save is not None and _committed_save_of(read_status(journal), step) == save:
         return True
     if task_path(journal, step).exists():
         return False
+    status = read_status(journal)  # read after the task's look: a status at least as new
     if step in status.get("committed", ()):
         return True
     awaited = step in status.get("awaiting", ())
@@ -1593,6 +1603,11 @@ def step_committed(journal: Path, step: int, save: float | None = None) -> bool 
     if awaited and status.get("state") != STOPPED and alive:
         return False
     return None
+
+
+def _committed_save_of(status: dict[str, Any], step: int) -> float | None:
+    """The save of ``step`` that ``status`` reports committed, if any."""
+    return (status.get("committed_saves") or {}).get(str(step))
 
 
 def _identity() -> dict[str, Any]:
