@@ -1616,6 +1616,33 @@ def test_a_handle_reports_a_save_committed_after_retention_removed_it(tmp_path):
     assert not unsaved.done()
 
 
+def test_a_drain_killed_while_retention_deletes_leaves_no_step_behind(tmp_path, monkeypatch):
+    """Retention renames a checkpoint's directory away before it deletes anything in it:
+    a drain killed while deleting leaves a hidden directory, not a step listed as
+    draining for good (before, the step stayed without its manifest, and no retention
+    ever removed it); the next retention that removes a step deletes the leftover."""
+    ckpt_dir = tmp_path / "pfs"
+    for step in (1, 2, 3):
+        step_dir = ckpt_dir / layout.step_dirname(step)
+        step_dir.mkdir(parents=True)
+        (step_dir / "node-00000.h5").write_bytes(b"x")
+        files.write_json_atomic(drain.manifest_path(step_dir), {"format": drain.MANIFEST_FORMAT})
+    remove_tree = drain._remove_tree
+
+    def killed(path):
+        raise KeyboardInterrupt  # the drain dies before it deletes anything
+
+    monkeypatch.setattr(drain, "_remove_tree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        drain.apply_pfs_retention(ckpt_dir, 2)
+    assert drain.steps_in(ckpt_dir) == [2, 3] and drain.committed_steps(ckpt_dir) == [2, 3]
+    left = [p.name for p in ckpt_dir.iterdir() if p.name.startswith(drain.RETIRING)]
+    assert len(left) == 1 and left[0].startswith(f"{drain.RETIRING}{layout.step_dirname(1)}.")
+    monkeypatch.setattr(drain, "_remove_tree", remove_tree)
+    assert drain.apply_pfs_retention(ckpt_dir, 1) == [2]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [layout.step_dirname(3)]
+
+
 def test_two_drains_applying_retention_at_once_both_succeed(tmp_path):
     ckpt_dir = tmp_path / "pfs"
     for step in range(40):

@@ -92,6 +92,7 @@ HALF_MADE_WAITER_SECONDS = 60.0  # a hidden waiter FIFO this old was left by a d
 COMMIT_LOCK = ".commit.lock"
 RECORDS_LOCK = "records.lock"  # in the journal: a node's BB records, saved or drained
 MANIFEST = "manifest.json"
+RETIRING = ".retiring-"  # a checkpoint's directory being deleted by PFS retention
 GLOBAL_VIEW = "global.h5"
 MANIFEST_FORMAT = "bbio-checkpoint/1"
 STALE_LOCK_SECONDS = 120.0
@@ -1002,21 +1003,30 @@ def committed_saves(ckpt_dir: Path) -> dict[int, Any]:
 def apply_pfs_retention(ckpt_dir: Path, keep: int) -> list[int]:
     """Delete committed checkpoints older than the ``keep`` newest.  Returns the steps removed.
 
-    The manifest goes first, so a half-deleted checkpoint is never seen as committed.
-    Several nodes' drains may apply it at once (each that sees the commit): what
-    another one removes meanwhile is not an error.
+    Each one's directory is first renamed to a hidden name of its own
+    (``.retiring-step-...``; then the checkpointer's directory is fsynced), so
+    a checkpoint is whole or gone, never half deleted (nor, for a drain killed
+    while deleting, left as a step that is not committed), then deleted, with
+    whatever such directories drains killed earlier left.  Several nodes'
+    drains may apply it at once (each that sees the commit): a directory
+    another one renamed or deleted meanwhile is not an error.  Not collective.
     """
     removed = []
     for step in committed_steps(ckpt_dir)[:-keep] if keep > 0 else []:
         step_dir = ckpt_dir / layout.step_dirname(step)
-        manifest_path(step_dir).unlink(missing_ok=True)
+        unique = f"{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            files.fsync_dirs([step_dir])
-        except BBIOError as exc:
-            if exc.errno != errno.ENOENT:
-                raise  # else removed by another drain meanwhile
-        _remove_tree(step_dir)
+            os.rename(step_dir, ckpt_dir / f"{RETIRING}{step_dir.name}.{unique}")
+        except FileNotFoundError:
+            continue  # retired by another drain meanwhile
+        except OSError as exc:
+            raise from_oserror(exc, "retire the checkpoint", step_dir) from None
         removed.append(step)
+    if removed:
+        files.fsync_dirs([ckpt_dir])  # gone for good before any of its files is
+        for entry in ckpt_dir.iterdir():
+            if entry.name.startswith(RETIRING):
+                _remove_tree(entry)
     return removed
 
 
