@@ -141,6 +141,16 @@ class Task:
         return Path(self.bb_step_dir) / layout.node_filename(self.node)
 
     @property
+    def bb_record(self) -> Path:
+        """The node file's record on the burst buffer."""
+        return Path(self.bb_step_dir) / layout.node_record_name(self.node)
+
+    @property
+    def pfs_record(self) -> Path:
+        """The node file's record on the PFS."""
+        return Path(self.pfs_step_dir) / layout.node_record_name(self.node)
+
+    @property
     def target(self) -> Path:
         """Where it goes on the PFS."""
         return Path(self.pfs_step_dir) / layout.node_filename(self.node)
@@ -459,9 +469,8 @@ def start_copy(task: Task) -> NodeCopy | None:
     to finish, or None if the step was saved again since the task was queued.  A copy
     drained before (a replay) is not copied again; its record is published if it was
     not."""
-    record_path = Path(task.pfs_step_dir) / layout.node_record_name(task.node)
-    bb_record_path = Path(task.bb_step_dir) / layout.node_record_name(task.node)
-    bb_record = files.read_json(bb_record_path) or {}
+    record_path = task.pfs_record
+    bb_record = files.read_json(task.bb_record) or {}
     if not task.is_save_of(bb_record):
         return None
     if bb_record.get("crc32c") is not None:  # drained before (a replay): the PFS copy may do
@@ -513,8 +522,7 @@ class NodeCopy:
         self, task: Task, bb_record: dict[str, Any], drained: dict[str, Any] | None = None
     ) -> None:
         self.task, self.bb_record, self.drained = task, bb_record, drained
-        self.record_path = Path(task.pfs_step_dir) / layout.node_record_name(task.node)
-        self.bb_record_path = Path(task.bb_step_dir) / layout.node_record_name(task.node)
+        self.record_path, self.bb_record_path = task.pfs_record, task.bb_record
         self.temp = files.temp_path(task.target)
         self.record_temp = files.temp_path(self.record_path)
         self.written = self.temp  # where the bytes go: the final name, or the temporary one
@@ -684,14 +692,12 @@ def _publish(task: Task) -> bool:
     one, renamed after, would replace it; the temporary record is deleted, and False
     returned.  Under :func:`records_locked`, which a save holds while it drops the
     step's BB record, before anything of the new save is written.  Not collective."""
-    record_path = Path(task.pfs_step_dir) / layout.node_record_name(task.node)
-    bb_record_path = Path(task.bb_step_dir) / layout.node_record_name(task.node)
     with records_locked(journal_dir(Path(task.bb_step_dir).parent)):
-        now = files.read_json(bb_record_path)
+        now = files.read_json(task.bb_record)
         if now is not None and task.is_save_of(now):
-            files.rename_sealed([record_path])
+            files.rename_sealed([task.pfs_record])
             return True
-    _discard(files.temp_path(record_path))
+    _discard(files.temp_path(task.pfs_record))
     return False
 
 
@@ -1179,7 +1185,7 @@ def _begin(journal: Path, task: Task, retry: bool = False) -> NodeCopy | None:
     withdrawn, never recorded, retired, or saved again: its new task copies the new
     file); the caller reports it.  ``retry``: a try after a failed one, or of a task
     an earlier drain left (see :func:`_retired`)."""
-    bb_record = Path(task.bb_step_dir) / layout.node_record_name(task.node)
+    bb_record = task.bb_record
     if not task.source.exists() and files.read_json(bb_record) is None:
         if committed_save(Path(task.pfs_step_dir), task.save_time):
             _remove_task(journal, task)  # drained and committed before a crash: done
@@ -1215,7 +1221,7 @@ def _never_recorded(journal: Path, task: Task) -> bool:
     restore takes the copy, so no drain commits it either.  A save queues its task and
     writes its record under :func:`records_locked`, so a drain that finds no record
     takes that lock before it looks again.  Not collective."""
-    bb_record = Path(task.bb_step_dir) / layout.node_record_name(task.node)
+    bb_record = task.bb_record
     if files.read_json(bb_record) is not None:
         return False
     with records_locked(journal):
@@ -1335,7 +1341,7 @@ def _retire(journal: Path, task: Task) -> None:
     record ``retired``: never to be drained, the copy is trimmed like a drained one
     once it is beyond ``keep_bb``, now and by later trims (before, it stayed in the
     burst buffer for good).  Not collective."""
-    bb_record = Path(task.bb_step_dir) / layout.node_record_name(task.node)
+    bb_record = task.bb_record
     with records_locked(journal):
         record = files.read_json(bb_record)
         if (
@@ -1400,8 +1406,7 @@ class _Commits:
         self.busy: dict[int, tuple[Task, _Failure | None]] = {}
         self.rest: dict[str, Any] = {"state": "idle"}
         self.awaiting: dict[int, Task] = {}
-        self.committed: list[int] = []
-        self.saves: dict[int, float | None] = {}  # the save of each step in ``committed``
+        self.committed: dict[int, float | None] = {}  # recent steps committed: their save
         self.failures: dict[tuple[int, float | None], _Failure] = {}
         self.damaged_elsewhere: dict[int, dict[str, Any]] = {}  # awaited, set aside by a node
         self.since = self.next_look = self.next_damaged_look = self.next_orphan_look = 0.0
@@ -1427,8 +1432,8 @@ class _Commits:
             _write_status(
                 self.journal,
                 awaiting=sorted(self.awaiting),
-                committed=self.committed,
-                committed_saves={str(step): self.saves[step] for step in self.committed},
+                committed=list(self.committed),
+                committed_saves={str(step): save for step, save in self.committed.items()},
                 failing=sorted({step for step, _ in self.failures}),
                 damaged={str(step): damaged[step] for step in sorted(damaged)},
                 **{"error": None, "retries": 0, **trouble, **activity},
@@ -1546,15 +1551,12 @@ class _Commits:
 
     def _forget(self, step: int) -> None:
         self.awaiting.pop(step, None)
-        self.committed[:] = [s for s in self.committed if s != step]
-        self.saves.pop(step, None)
+        self.committed.pop(step, None)
 
     def _add(self, step: int, save: float | None) -> None:
-        self.committed.append(step)
-        self.saves[step] = save
-        for old in self.committed[:-RECENT_COMMITS]:
-            self.saves.pop(old, None)
-        del self.committed[:-RECENT_COMMITS]
+        self.committed[step] = save  # the newest last: _forget took any earlier entry
+        for old in list(self.committed)[:-RECENT_COMMITS]:
+            del self.committed[old]
 
 
 def _commit_orphan(task: Task) -> bool:
