@@ -33,7 +33,8 @@ RERUN_HINT = "rerun the transfer until it succeeds: it copies what is missing or
 
 @dataclasses.dataclass
 class VerifyReport:
-    """The outcome of a verification (the same on every rank)."""
+    """The outcome of a verification (the same on every rank).  ``files``: the paths
+    checked on both sides, every source and every node's copy counted once."""
 
     files: int
     bytes_read: int
@@ -42,7 +43,7 @@ class VerifyReport:
     def report(self) -> str:
         """A readable summary."""
         rows = [
-            ("copies checked (both sides)", self.files),
+            ("paths checked (sources and copies)", self.files),
             ("bytes read", format_bytes(self.bytes_read)),
             ("problems", len(self.problems)),
         ]
