@@ -522,9 +522,7 @@ class NodeCopy:
         self, task: Task, bb_record: dict[str, Any], drained: dict[str, Any] | None = None
     ) -> None:
         self.task, self.bb_record, self.drained = task, bb_record, drained
-        self.record_path, self.bb_record_path = task.pfs_record, task.bb_record
         self.temp = files.temp_path(task.target)
-        self.record_temp = files.temp_path(self.record_path)
         self.written = self.temp  # where the bytes go: the final name, or the temporary one
         self.pool = ThreadPoolExecutor(2)  # the reader, the description; the read-back, the record
         self.described: futures.Future | None = None
@@ -570,7 +568,7 @@ class NodeCopy:
         renamed there since)."""
         self.pool.shutdown()
         self._close()
-        _discard(self.temp, self.record_temp)
+        _discard(self.temp, files.temp_path(self.task.pfs_record))
         with contextlib.suppress(OSError):
             now = self.task.target.stat()
             if (now.st_dev, now.st_ino) == self.made:
@@ -604,11 +602,11 @@ class NodeCopy:
             return None
         self.pool.shutdown()
         with records_locked(journal):
-            now = files.read_json(self.bb_record_path)
+            now = files.read_json(self.task.bb_record)
             if now is None or not self.task.is_save_of(now):
                 return None  # saved again during the renames: the new save's record stays
             drained = {**self.bb_record, **record, "complete": True}
-            files.write_json_atomic(self.bb_record_path, drained)
+            files.write_json_atomic(self.task.bb_record, drained)
         if publish:
             self.publish()
         return record
@@ -616,9 +614,7 @@ class NodeCopy:
     def _seal(self) -> dict[str, Any] | None:
         task, copied = self.task, self.copied
         assert copied is not None and self.described is not None, "finish() before copy()"
-        recording = self.pool.submit(
-            _prepare_record, task, self.record_path, copied, self.described
-        )
+        recording = self.pool.submit(_prepare_record, task, copied, self.described)
         try:
             size, crc = self._flush_and_read_back()
         finally:
@@ -626,7 +622,7 @@ class NodeCopy:
         try:
             record, contents = recording.result()
         except (OSError, KeyError, ValueError, TypeError, IntegrityError) as exc:
-            now = files.read_json(self.bb_record_path)
+            now = files.read_json(self.task.bb_record)
             if now is None or not task.is_save_of(now) or not task.source.exists():
                 return None  # saved again or dropped meanwhile: not this save's file
             if isinstance(exc, OSError) and exc.errno is not None:
@@ -644,7 +640,7 @@ class NodeCopy:
                 path=self.written,
                 hint="the PFS may be failing; the drain will copy it again",
             )
-        now = files.read_json(self.bb_record_path)
+        now = files.read_json(self.task.bb_record)
         if not task.is_save_of(contents) or now is None or not task.is_save_of(now):
             return None  # saved again during the copy: never renamed over the new save's file
         if self.written != task.target:  # the commit fsyncs the directory before its manifest
@@ -725,7 +721,6 @@ def _fsync(fd: int, path: Path) -> None:
 
 def _prepare_record(
     task: Task,
-    record_path: Path,
     copied: _native.CopyResult,
     described: futures.Future,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -740,7 +735,7 @@ def _prepare_record(
         "time": contents["time"],
     }
     document = json.dumps({**record, "contents": contents}, separators=(",", ":"))
-    files.write_temp(record_path, document.encode())
+    files.write_temp(task.pfs_record, document.encode())
     return record, contents
 
 
