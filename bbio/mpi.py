@@ -223,8 +223,8 @@ def agreed(comm, what: str, totals: np.ndarray | None = None) -> Iterator[None]:
     every rank reaches, failed or not (then, only after a failure, an
     allgather of the messages), so the block itself must not enter a
     collective after a local failure could have happened on another rank.
-    The allreduce is waited for without spinning (:func:`wait_quietly`): ranks
-    that finish first leave the CPU to the others and to file system daemons.
+    The allreduce is waited for without spinning in MPI (:func:`wait_quietly`):
+    ranks that finish first leave the CPU to the others and to file system daemons.
     ``totals``, int64 counters the block may fill in, are summed over the
     ranks in place by the same allreduce.
     """
@@ -274,18 +274,28 @@ def agreed_allgather(comm, what: str, fn: Callable[[], T], quiet: bool = False) 
     return [value for _, value in outcomes]
 
 
-def wait_quietly(*requests, poll: float = 0.0002) -> None:
-    """Not collective: wait for non-blocking MPI ``requests`` without spinning.
+def wait_quietly(*requests, poll: float = 0.0002, yield_for: float = 0.002) -> None:
+    """Not collective: wait for non-blocking MPI ``requests`` without MPI's busy polling.
 
     MPI's blocking waits poll the network at full speed; a rank that only
     waits for others then takes CPU time from the ranks (and file system
-    daemons) doing the work.  This tests the requests and sleeps ``poll``
-    seconds between tests (each test also drives their progress).
+    daemons) doing the work.  This tests the requests (each test also drives
+    their progress), for the first ``yield_for`` seconds yielding the CPU
+    between tests (``sched_yield``: another runnable process runs, else the
+    test comes again at once), then sleeping ``poll`` seconds between them.
+    The short waits of a collective call whose ranks arrive together (a
+    save's agreements) end without a sleep's delay at every step of the
+    collective; a long wait sleeps.
     """
     from mpi4py import MPI
 
-    while not MPI.Request.Testall(list(requests)):
-        time.sleep(poll)
+    pending = list(requests)
+    yield_until = time.perf_counter() + yield_for
+    while not MPI.Request.Testall(pending):
+        if time.perf_counter() < yield_until:
+            os.sched_yield()
+        else:
+            time.sleep(poll)
 
 
 def wait_all_ranks(comm, timeout: float, what: str) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
 import bbio
-from bbio.mpi import agreed, all_agree, same_arguments, topology, wait_all_ranks
+from bbio.mpi import agreed, all_agree, same_arguments, topology, wait_all_ranks, wait_quietly
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -101,6 +103,20 @@ def test_agreed_sums_the_counters_the_block_fills_in(comm):
         totals[:] = 1, 1
         if comm.Get_rank() == 0:
             raise bbio.UsageError("bad id")
+
+
+@pytest.mark.parametrize("late_seconds", [0.0005, 0.05])  # while yielding; once sleeping
+def test_wait_quietly_returns_once_the_requests_are_complete(comm, late_seconds):
+    from mpi4py import MPI
+
+    comm.Barrier()
+    start = time.perf_counter()
+    if comm.Get_rank() == 0:
+        time.sleep(late_seconds)
+    total = np.array([comm.Get_rank() + 1], dtype=np.int64)
+    wait_quietly(comm.Iallreduce(MPI.IN_PLACE, total, op=MPI.SUM))
+    assert total[0] == sum(range(1, comm.Get_size() + 1))
+    assert time.perf_counter() - start >= late_seconds
 
 
 def test_wait_all_ranks_times_out_instead_of_hanging(comm):

@@ -249,7 +249,7 @@ def idle_barrier(comm) -> None:
     to the ranks that work."""
     from bbio.mpi import wait_quietly
 
-    wait_quietly(comm.Ibarrier(), poll=0.002)
+    wait_quietly(comm.Ibarrier(), poll=0.002, yield_for=0.0)
 
 
 def drop_caches(enabled: bool) -> bool:
