@@ -110,13 +110,11 @@ def test_wait_quietly_returns_once_the_requests_are_complete(comm, late_seconds)
     from mpi4py import MPI
 
     comm.Barrier()
-    start = time.perf_counter()
     if comm.Get_rank() == 0:
         time.sleep(late_seconds)
     total = np.array([comm.Get_rank() + 1], dtype=np.int64)
     wait_quietly(comm.Iallreduce(MPI.IN_PLACE, total, op=MPI.SUM))
     assert total[0] == sum(range(1, comm.Get_size() + 1))
-    assert time.perf_counter() - start >= late_seconds
 
 
 def test_wait_all_ranks_times_out_instead_of_hanging(comm):
