@@ -1015,9 +1015,8 @@ def apply_pfs_retention(ckpt_dir: Path, keep: int) -> list[int]:
     removed = []
     for step in committed_steps(ckpt_dir)[:-keep] if keep > 0 else []:
         step_dir = ckpt_dir / layout.step_dirname(step)
-        unique = f"{os.getpid()}-{secrets.token_hex(4)}"
         try:
-            os.rename(step_dir, ckpt_dir / f"{RETIRING}{step_dir.name}.{unique}")
+            os.rename(step_dir, ckpt_dir / f"{RETIRING}{step_dir.name}.{files.unique_tag()}")
         except FileNotFoundError:
             continue  # retired by another drain meanwhile
         except OSError as exc:
@@ -1598,8 +1597,10 @@ def step_committed(journal: Path, step: int, save: float | None = None) -> bool 
     Cheap (the journal is on the BB), so every waiting rank asks here and only
     the drain looks at the PFS.
     """
-    if save is not None and _committed_save_of(read_status(journal), step) == save:
-        return True
+    if save is not None:
+        reported = read_status(journal).get("committed_saves") or {}
+        if reported.get(str(step)) == save:
+            return True
     if task_path(journal, step).exists():
         return False
     status = read_status(journal)  # read after the task's look: a status at least as new
@@ -1610,11 +1611,6 @@ def step_committed(journal: Path, step: int, save: float | None = None) -> bool 
     if awaited and status.get("state") != STOPPED and alive:
         return False
     return None
-
-
-def _committed_save_of(status: dict[str, Any], step: int) -> float | None:
-    """The save of ``step`` that ``status`` reports committed, if any."""
-    return (status.get("committed_saves") or {}).get(str(step))
 
 
 def _identity() -> dict[str, Any]:

@@ -286,12 +286,17 @@ def write_bytes_atomic(path: Path, data: bytes, make_parent: bool = True) -> Non
         raise
 
 
+def unique_tag() -> str:
+    """A part of a name that no other process, and no other call, makes: the process ID
+    and a random part."""
+    return f"{os.getpid()}-{secrets.token_hex(4)}"
+
+
 def unique_temp_path(final: Path) -> Path:
-    """A temporary name for ``final`` that no other writer uses (process ID and a random
-    part; a temporary name as :func:`is_temp_name` knows them), for files several
-    processes might write at once."""
-    unique = f"{os.getpid()}-{secrets.token_hex(4)}{UNIQUE_TEMP_SUFFIX}"
-    return final.with_name(f".{final.name}.{unique}")
+    """A temporary name for ``final`` that no other writer uses (:func:`unique_tag`; a
+    temporary name as :func:`is_temp_name` knows them), for files several processes
+    might write at once."""
+    return final.with_name(f".{final.name}.{unique_tag()}{UNIQUE_TEMP_SUFFIX}")
 
 
 def write_temp(final: Path, data: bytes) -> None:
