@@ -101,12 +101,23 @@ def same_arguments(comm, what: str, arguments: Mapping[str, Any]) -> None:
     every rank is in the collective call ``what`` (:func:`check_same_call`) and passed
     it equal ``arguments`` (name -> value).
 
-    Values are compared by a fingerprint: arrays by dtype, shape and a digest of
-    their bytes, paths as strings, anything else by ``repr``.  The error names
-    each differing argument with rank 0's value and the first other rank's.
+    Values are compared by a fingerprint (:func:`fingerprints`): arrays by dtype,
+    shape and a digest of their bytes, paths as strings, anything else by
+    ``repr``.  The error names each differing argument with rank 0's value and the
+    first other rank's.
     """
-    mine = {name: _fingerprint(value) for name, value in arguments.items()}
-    everyone = gather_in_call(comm, what, mine)
+    check_same_arguments(what, gather_in_call(comm, what, fingerprints(arguments)))
+
+
+def fingerprints(arguments: Mapping[str, Any]) -> dict[str, str]:
+    """Not collective: ``arguments`` (name -> value) as :func:`check_same_arguments`
+    compares them, for a call that gathers them with what else it gathers."""
+    return {name: _fingerprint(value) for name, value in arguments.items()}
+
+
+def check_same_arguments(what: str, everyone: Sequence[Mapping[str, str]]) -> None:
+    """Not collective: raise :class:`UsageError` unless every rank's
+    :func:`fingerprints` (as gathered, in rank order, by every rank) are equal."""
     first = everyone[0]
     differing = [
         (name, rank, theirs[name])

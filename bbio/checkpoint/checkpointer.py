@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,7 +33,15 @@ from bbio.checkpoint.globalview import describe_node_file
 from bbio.checkpoint.writer import describe, file_attrs, global_shapes, write_node_file
 from bbio.config import Config, load_config
 from bbio.errors import BBIOError, BBIOTimeoutError, IntegrityError, NotFoundError, UsageError
-from bbio.mpi import agreed, agreed_allgather, agreed_error, same_arguments, topology
+from bbio.mpi import (
+    agreed,
+    agreed_allgather,
+    agreed_error,
+    check_same_arguments,
+    fingerprints,
+    same_arguments,
+    topology,
+)
 from bbio.report import format_bytes
 from bbio.transfer import files
 
@@ -150,6 +158,19 @@ class SaveHandle:
                 pause = min(pause * 1.5, MAX_WAIT_POLL_SECONDS)
 
 
+class _SaveCheck(NamedTuple):
+    """What a rank's check of a save tells every rank (gathered in one collective)."""
+
+    layout: str  # of its arrays: "global" or "per-rank"
+    spec: dict[str, dict]  # its arrays (:func:`describe`)
+    time: float  # the save's time (rank 0's is the save's)
+    node: int
+    free: int | None  # bytes free in the node's burst buffer, spares counted (leaders)
+    old_copy: bool  # the node's burst buffer holds an earlier save of the step (leaders)
+    user_attrs: str  # as JSON
+    arguments: dict[str, str]  # the call's arguments (:func:`fingerprints`)
+
+
 @dataclasses.dataclass(frozen=True)
 class CheckpointInfo:
     """One step of a checkpointer, as :meth:`Checkpointer.list` sees it."""
@@ -260,10 +281,9 @@ class Checkpointer:
         comm = self.comm
         integral = isinstance(step, numbers.Integral) and not isinstance(step, bool)
         step = int(step) if integral else step
-        same_arguments(comm, f"checkpoint {self.name}: save", {"step": step})
         made_step_dir = False
 
-        def check() -> tuple:
+        def check() -> _SaveCheck:
             nonlocal made_step_dir
             if not integral:
                 raise UsageError(f"checkpoint steps are integers, not {step!r}")
@@ -283,7 +303,7 @@ class Checkpointer:
                 old_copy = self._has_bb_copy(step)
                 (self.bb_dir / layout.step_dirname(step)).mkdir(parents=True, exist_ok=True)
                 made_step_dir = True
-            return (
+            return _SaveCheck(
                 layout.layout_of(arrays),
                 spec,
                 time.time(),
@@ -291,26 +311,30 @@ class Checkpointer:
                 free,
                 old_copy,
                 user_attrs,
+                arguments,
             )
 
-        try:
-            checked = agreed_allgather(comm, f"checkpoint {self.name} step {step}: checking", check)
+        call = f"checkpoint {self.name}: save"
+        arguments = fingerprints({"step": step})
+        try:  # the arguments are compared with what the save gathers: one collective
+            checked = agreed_allgather(comm, call, check)
+            check_same_arguments(call, [theirs.arguments for theirs in checked])
         except BBIOError:  # a rank's check failed: no node writes, no directory stays
             if made_step_dir:
                 self._drop_unused_bb_step_dir(step)
             raise
-        kinds = {kind for kind, *_ in checked}
+        kinds = {theirs.layout for theirs in checked}
         if len(kinds) != 1:
             self._drop_unused_bb_step_dir(step)
             raise UsageError(f"ranks disagree on the layout of checkpoint {step}: {sorted(kinds)}")
-        if len({user_attrs for *_, user_attrs in checked}) != 1:
+        if len({theirs.user_attrs for theirs in checked}) != 1:
             self._drop_unused_bb_step_dir(step)
             raise UsageError(
                 f"ranks disagree on the attrs of checkpoint {step}",
                 hint="pass the same attrs on every rank (they are the checkpoint's, not a rank's)",
             )
-        kind, when = checked[0][0], checked[0][2]
-        all_specs = [spec for _, spec, *_ in checked]
+        kind, when = checked[0].layout, checked[0].time
+        all_specs = [theirs.spec for theirs in checked]
         try:
             self._check_newest(step)
             shapes = global_shapes(all_specs, kind)
@@ -330,11 +354,13 @@ class Checkpointer:
             return dataclasses.replace(handle, skipped=True)
         need = [FILE_OVERHEAD_BYTES] * self.nodes
         free: dict[int, int] = {}
-        for _, spec, _, node, node_free, *_ in checked:
-            need[node] += sum(DATASET_OVERHEAD_BYTES + entry["bytes"] for entry in spec.values())
-            if node_free is not None:
-                free[node] = node_free
-        if step in self._pfs_steps or any(old for *_, old, _ in checked):
+        for theirs in checked:
+            need[theirs.node] += sum(
+                DATASET_OVERHEAD_BYTES + entry["bytes"] for entry in theirs.spec.values()
+            )
+            if theirs.free is not None:
+                free[theirs.node] = theirs.free
+        if step in self._pfs_steps or any(theirs.old_copy for theirs in checked):
             self._replace(step)  # saved before: its old copies go before any node writes
         self._pfs_steps.add(step)
         self._ordered_steps.add(step)

@@ -64,6 +64,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import json
 import os
 import secrets
@@ -1615,7 +1616,13 @@ def step_committed(journal: Path, step: int, save: float | None = None) -> bool 
 
 def _identity() -> dict[str, Any]:
     """Who this process is, for a lock or a status that others judge alive or dead."""
-    pid = os.getpid()
+    return dict(_identity_of(os.getpid()))
+
+
+@functools.cache
+def _identity_of(pid: int) -> dict[str, Any]:
+    """:func:`_identity` of process ``pid``, this one: read once (a status is written at
+    every step of a drain, and a commit takes its lock, on its critical path)."""
     return {"pid": pid, "host": socket.gethostname(), "started": _started(pid)}
 
 

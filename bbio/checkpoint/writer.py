@@ -52,7 +52,7 @@ from bbio.checkpoint.layout import (
     rank_dataset,
 )
 from bbio.errors import DependencyError, IntegrityError, UsageError
-from bbio.mpi import agreed
+from bbio.mpi import agreed_error, describe_error
 from bbio.transfer import files
 
 log = logging.getLogger("bbio")
@@ -123,29 +123,23 @@ def write_node_file(
     file is written under before its rename (the same on every rank; default
     :func:`files.temp_path`).  Returns the file's
     size on the node's rank 0, once the file is durable under its final name
-    there; other ranks return 0 before that.  A rank whose write fails makes
-    every rank of the node raise its error (the file is never renamed).
+    there; other ranks return 0 before that.  A rank whose write fails raises
+    its error, and the file is never renamed (rank 0 returns 0): the caller
+    makes every rank agree on the outcome (one agreement over all nodes, not
+    one per node before it: a save's critical path is its collectives).
     """
     h5py = _h5py()
     temp = files.temp_path(path) if temp is None else temp
     leader = node_comm.Get_rank() == 0
-    # the agreement is also the barrier after which rank 0 makes the file durable
-    with agreed(node_comm, f"writing {path}"):
-        spare = _open_spare(h5py, temp, node_specs) if leader and recycled else None
-        try:
-            offsets = node_comm.bcast(None if spare is None else spare[1], root=0)
-            if offsets is None:
-                _write_new_file(h5py, node_comm, temp, rank, arrays, node_specs, attrs)
-            else:
-                crcs = _gather_crcs(
-                    node_comm, lambda: _write_raw(temp, rank, arrays, offsets.__getitem__)
-                )
-                if spare is not None and crcs is not None:
-                    _set_root_attrs(spare[0], attrs, crcs)
-        finally:
-            if spare is not None:
-                spare[0].close()
-    if not leader:
+    spare = _open_spare(h5py, temp, node_specs) if leader and recycled else None
+    try:
+        written = _write_node_file(h5py, node_comm, temp, rank, arrays, node_specs, attrs, spare)
+    except Exception as exc:  # named after the file: the caller's agreement names the rank
+        raise agreed_error([(rank, *describe_error(exc))], f"writing {path}", 1) from exc
+    finally:
+        if spare is not None:
+            spare[0].close()
+    if not leader or not written:
         return 0
     fd = os.open(temp, os.O_RDONLY)
     try:
@@ -158,6 +152,29 @@ def write_node_file(
     return size
 
 
+def _write_node_file(
+    h5py,
+    node_comm,
+    temp: Path,
+    rank: int,
+    arrays: Mapping[str, Any],
+    node_specs: Sequence[tuple[int, Mapping[str, dict]]],
+    attrs: Mapping[str, Any],
+    spare,
+) -> bool:
+    """Collective over ``node_comm``: :func:`write_node_file`'s writes into ``temp``,
+    rewriting the ``spare`` rank 0 opened (None: laid out anew); True on rank 0 once
+    every rank wrote and the root attributes are set (it has every rank's CRCs only
+    once every write is done), else False."""
+    offsets = node_comm.bcast(None if spare is None else spare[1], root=0)
+    if offsets is None:
+        return _write_new_file(h5py, node_comm, temp, rank, arrays, node_specs, attrs)
+    crcs = _gather_crcs(node_comm, lambda: _write_raw(temp, rank, arrays, offsets.__getitem__))
+    if spare is not None and crcs is not None:
+        _set_root_attrs(h5py, spare[0], attrs, crcs)
+    return crcs is not None
+
+
 def _write_new_file(
     h5py,
     node_comm,
@@ -166,9 +183,10 @@ def _write_new_file(
     arrays: Mapping[str, Any],
     node_specs: Sequence[tuple[int, Mapping[str, dict]]],
     attrs: Mapping[str, Any],
-) -> None:
+) -> bool:
     """Collective over ``node_comm``: lay the file out with parallel HDF5, write every
-    rank's arrays into it, set the root attributes."""
+    rank's arrays into it, set the root attributes; False if another rank's write
+    failed (this rank's failure is raised once the file is closed)."""
     with h5py.File(temp, "w", driver="mpio", comm=node_comm) as f:
         _create_datasets(h5py, f, node_specs)
         crcs = _gather_crcs(
@@ -176,8 +194,9 @@ def _write_new_file(
             lambda: _write_raw(temp, rank, arrays, lambda name: f[name].id.get_offset()),
             everywhere=True,
         )
-        if crcs is not None:  # else a rank failed: it raises, and so will agreed
-            _set_root_attrs(f, attrs, crcs)
+        if crcs is not None:  # else a rank failed: it raises, after the collective close
+            _set_root_attrs(h5py, f, attrs, crcs)
+    return crcs is not None
 
 
 def _gather_crcs(
@@ -201,12 +220,37 @@ def _gather_crcs(
     return {name: crc for owner_crcs in shared for name, crc in owner_crcs.items()}
 
 
-def _set_root_attrs(f, attrs: Mapping[str, Any], crcs: dict[str, int]) -> None:
+def _set_root_attrs(h5py, f, attrs: Mapping[str, Any], crcs: dict[str, int]) -> None:
     """Set ``attrs`` and the datasets' CRC32Cs as ``f``'s root attributes (collective
-    where ``f`` is open collectively)."""
-    for name, value in attrs.items():
-        f.attrs.modify(name, value)
-    f.attrs.modify(CRC_ATTR, json.dumps(crcs, sort_keys=True))
+    where ``f`` is open collectively).  An attribute already there with the value's
+    type and shape (a recycled file's) is overwritten in place through h5py's
+    low-level API, in half the time ``attrs.modify`` takes; any other is created, or
+    replaced."""
+    for name, value in {**attrs, CRC_ATTR: json.dumps(crcs, sort_keys=True)}.items():
+        if not _overwrite_attr(h5py, f.id, name, value):
+            f.attrs[name] = value
+
+
+def _overwrite_attr(h5py, owner, name: str, value: Any) -> bool:
+    """Write ``value`` into the attribute ``name`` of the HDF5 object ``owner`` (a
+    low-level id) if it is there as a string where ``value`` is one, else as numbers
+    of ``value``'s kind and shape; False (nothing written) if not."""
+    key = name.encode()
+    if not h5py.h5a.exists(owner, key):
+        return False
+    attr = h5py.h5a.open(owner, key)
+    if isinstance(value, str):
+        if h5py.check_string_dtype(attr.dtype) is None or attr.shape != ():
+            return False
+        data = np.array(value, dtype=attr.dtype)
+    else:
+        data = np.asarray(value)
+        same_kind = data.dtype.kind == attr.dtype.kind and data.dtype.kind in "iuf"
+        if not same_kind or data.shape != attr.shape:
+            return False
+        data = data.astype(attr.dtype)
+    attr.write(data)
+    return True
 
 
 def _open_spare(h5py, temp: Path, node_specs: Sequence[tuple[int, Mapping[str, dict]]]):
@@ -253,7 +297,7 @@ def _spare_offsets(
         )
     offsets: dict[str, int | None] = {}
     for name, entry in expected.items():
-        offsets[name] = _offset_in_spare(f[name], name, entry)
+        offsets[name] = _offset_in_spare(h5py, h5py.h5d.open(f.id, name.encode()), name, entry)
     extents = sorted(
         (offset, expected[name]["bytes"]) for name, offset in offsets.items() if offset is not None
     )
@@ -263,13 +307,14 @@ def _spare_offsets(
     return offsets
 
 
-def _offset_in_spare(dataset, name: str, entry: dict) -> int | None:
-    """Where ``dataset`` (``name``) keeps its bytes (None: it has none), checked to
-    hold an array as ``entry`` (:func:`describe`) describes it."""
+def _offset_in_spare(h5py, dataset, name: str, entry: dict) -> int | None:
+    """Where ``dataset`` (``name``, a low-level id: the high-level objects take twice
+    the time) keeps its bytes (None: it has none), checked to hold an array as
+    ``entry`` (:func:`describe`) describes it."""
     placement = {
-        k: [int(v) for v in dataset.attrs[k]]
+        k: [int(v) for v in _read_attr(h5py, dataset, k)]
         for k in ("start", "global_shape")
-        if k in dataset.attrs
+        if h5py.h5a.exists(dataset, k.encode())
     }
     saved = {k: entry[k] for k in ("start", "global_shape") if k in entry}
     if (
@@ -283,10 +328,18 @@ def _offset_in_spare(dataset, name: str, entry: dict) -> int | None:
         )
     if not entry["bytes"]:
         return None
-    offset = dataset.id.get_offset()
-    if offset is None or dataset.id.get_storage_size() != entry["bytes"]:
+    offset = dataset.get_offset()
+    if offset is None or dataset.get_storage_size() != entry["bytes"]:
         raise IntegrityError(f"the spare's {name} does not hold its bytes in one extent")
     return offset
+
+
+def _read_attr(h5py, owner, name: str) -> np.ndarray:
+    """The attribute ``name`` of the HDF5 object ``owner`` (a low-level id)."""
+    attr = h5py.h5a.open(owner, name.encode())
+    data = np.empty(attr.shape, dtype=attr.dtype)
+    attr.read(data)
+    return data
 
 
 def _create_datasets(h5py, f, node_specs: Sequence[tuple[int, Mapping[str, dict]]]) -> None:
