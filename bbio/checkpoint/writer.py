@@ -57,6 +57,8 @@ from bbio.transfer import files
 
 log = logging.getLogger("bbio")
 
+NO_OFFSET = -1  # a dataset with no bytes, in the offsets a node's ranks share
+
 
 def _h5py():
     try:
@@ -166,10 +168,12 @@ def _write_node_file(
     rewriting the ``spare`` rank 0 opened (None: laid out anew); True on rank 0 once
     every rank wrote and the root attributes are set (it has every rank's CRCs only
     once every write is done), else False."""
-    offsets = node_comm.bcast(None if spare is None else spare[1], root=0)
+    offsets = _share_offsets(node_comm, node_specs, None if spare is None else spare[1])
     if offsets is None:
         return _write_new_file(h5py, node_comm, temp, rank, arrays, node_specs, attrs)
-    crcs = _gather_crcs(node_comm, lambda: _write_raw(temp, rank, arrays, offsets.__getitem__))
+    crcs = _gather_crcs(
+        node_comm, node_specs, lambda: _write_raw(temp, rank, arrays, offsets.__getitem__)
+    )
     if spare is not None and crcs is not None:
         _set_root_attrs(h5py, spare[0], attrs, crcs)
     return crcs is not None
@@ -191,6 +195,7 @@ def _write_new_file(
         _create_datasets(h5py, f, node_specs)
         crcs = _gather_crcs(
             node_comm,
+            node_specs,
             lambda: _write_raw(temp, rank, arrays, lambda name: f[name].id.get_offset()),
             everywhere=True,
         )
@@ -199,25 +204,71 @@ def _write_new_file(
     return crcs is not None
 
 
+def _node_datasets(node_specs: Sequence[tuple[int, Mapping[str, dict]]]) -> list[list[str]]:
+    """The names of each node rank's datasets, in node rank order, as every rank knows
+    them: what the node's collectives exchange values of, in fixed-size buffers."""
+    return [[rank_dataset(key, owner) for key in spec] for owner, spec in node_specs]
+
+
+def _share_offsets(
+    node_comm,
+    node_specs: Sequence[tuple[int, Mapping[str, dict]]],
+    offsets: Mapping[str, int | None] | None,
+) -> dict[str, int | None] | None:
+    """Collective over ``node_comm``: rank 0's ``offsets`` of the spare's datasets (None:
+    no spare to rewrite), on every rank.  One broadcast of a buffer whose size every
+    rank knows (a pickled object takes two: its size, then its bytes)."""
+    names = [name for owned in _node_datasets(node_specs) for name in owned]
+    shared = np.full(1 + len(names), NO_OFFSET, dtype=np.int64)  # [0]: a spare is rewritten
+    if offsets is not None:
+        shared[0] = 1
+        shared[1:] = [NO_OFFSET if offsets[name] is None else offsets[name] for name in names]
+    node_comm.Bcast(shared, root=0)
+    if shared[0] != 1:
+        return None
+    placed = zip(names, shared[1:], strict=True)
+    return {name: None if at == NO_OFFSET else int(at) for name, at in placed}
+
+
 def _gather_crcs(
-    node_comm, write: Callable[[], dict[str, int]], everywhere: bool = False
+    node_comm,
+    node_specs: Sequence[tuple[int, Mapping[str, dict]]],
+    write: Callable[[], dict[str, int]],
+    everywhere: bool = False,
 ) -> dict[str, int] | None:
     """Collective over ``node_comm``: run this rank's ``write`` and share the CRC32Cs of
-    every rank's datasets with the node's rank 0 (``everywhere``: with every rank).
-    Raises this rank's failure once shared (the caller's close may be collective);
-    None where another rank failed, and on ranks the CRCs are not shared with."""
-    crcs, failure = {}, None
+    every rank's datasets with the node's rank 0 (``everywhere``: with every rank), in
+    one gather of buffers whose sizes every rank knows.  Raises this rank's failure
+    once shared (the caller's close may be collective); None where another rank
+    failed, and on ranks the CRCs are not shared with."""
+    datasets = _node_datasets(node_specs)
+    counts = [1 + len(owned) for owned in datasets]  # [0] of each: the rank failed
+    mine = np.zeros(counts[node_comm.Get_rank()], dtype=np.int64)
+    failure = None
     try:
         crcs = write()
+        mine[1:] = [crcs[name] for name in datasets[node_comm.Get_rank()]]
     except Exception as exc:
         failure = exc
-    mine = None if failure else crcs
-    shared = node_comm.allgather(mine) if everywhere else node_comm.gather(mine, root=0)
+        mine[0] = 1
+    receiving = everywhere or node_comm.Get_rank() == 0
+    shared = np.empty(sum(counts), dtype=np.int64) if receiving else None
+    if everywhere:
+        node_comm.Allgatherv(mine, [shared, counts])
+    else:
+        node_comm.Gatherv(mine, [shared, counts] if receiving else None, root=0)
     if failure is not None:
         raise failure
-    if shared is None or None in shared:
+    if shared is None:
         return None
-    return {name: crc for owner_crcs in shared for name, crc in owner_crcs.items()}
+    everyone = np.split(shared, np.cumsum(counts)[:-1])
+    if any(theirs[0] for theirs in everyone):
+        return None
+    return {
+        name: int(crc)
+        for owned, theirs in zip(datasets, everyone, strict=True)
+        for name, crc in zip(owned, theirs[1:], strict=True)
+    }
 
 
 def _set_root_attrs(h5py, f, attrs: Mapping[str, Any], crcs: dict[str, int]) -> None:
