@@ -135,7 +135,16 @@ def write_node_file(
     leader = node_comm.Get_rank() == 0
     spare = _open_spare(h5py, temp, node_specs) if leader and recycled else None
     try:
-        written = _write_node_file(h5py, node_comm, temp, rank, arrays, node_specs, attrs, spare)
+        offsets = _share_offsets(node_comm, node_specs, None if spare is None else spare[1])
+        if offsets is None:
+            written = _write_new_file(h5py, node_comm, temp, rank, arrays, node_specs, attrs)
+        else:  # rank 0 has every rank's CRCs only once every write is done
+            crcs = _gather_crcs(
+                node_comm, node_specs, lambda: _write_raw(temp, rank, arrays, offsets.__getitem__)
+            )
+            written = crcs is not None
+            if spare is not None and crcs is not None:
+                _set_root_attrs(h5py, spare[0], attrs, crcs)
     except Exception as exc:  # named after the file: the caller's agreement names the rank
         raise agreed_error([(rank, *describe_error(exc))], f"writing {path}", 1) from exc
     finally:
@@ -152,31 +161,6 @@ def write_node_file(
     os.replace(temp, path)
     files.fsync_dirs([path.parent])
     return size
-
-
-def _write_node_file(
-    h5py,
-    node_comm,
-    temp: Path,
-    rank: int,
-    arrays: Mapping[str, Any],
-    node_specs: Sequence[tuple[int, Mapping[str, dict]]],
-    attrs: Mapping[str, Any],
-    spare,
-) -> bool:
-    """Collective over ``node_comm``: :func:`write_node_file`'s writes into ``temp``,
-    rewriting the ``spare`` rank 0 opened (None: laid out anew); True on rank 0 once
-    every rank wrote and the root attributes are set (it has every rank's CRCs only
-    once every write is done), else False."""
-    offsets = _share_offsets(node_comm, node_specs, None if spare is None else spare[1])
-    if offsets is None:
-        return _write_new_file(h5py, node_comm, temp, rank, arrays, node_specs, attrs)
-    crcs = _gather_crcs(
-        node_comm, node_specs, lambda: _write_raw(temp, rank, arrays, offsets.__getitem__)
-    )
-    if spare is not None and crcs is not None:
-        _set_root_attrs(h5py, spare[0], attrs, crcs)
-    return crcs is not None
 
 
 def _write_new_file(
