@@ -296,7 +296,11 @@ class Checkpointer:
                     hint="pass a dict of str, int, float, bool, None, lists and dicts "
                     "(NumPy numbers: int() or float() them)",
                 ) from None
-            spec = describe(arrays)
+            try:
+                spec = describe(arrays)
+            except UsageError as exc:  # the call's name, the same on every rank, has no step
+                exc.message = f"step {step}: {exc.message}"
+                raise
             free, old_copy = None, False
             if self.topo.is_leader:  # a spare is claimed or deleted before the node writes
                 free = files.free_bytes(self.bb_dir) + drain.spare_bytes(self.bb_dir, self.node)

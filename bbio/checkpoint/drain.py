@@ -64,7 +64,6 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
-import functools
 import json
 import os
 import secrets
@@ -1615,15 +1614,20 @@ def step_committed(journal: Path, step: int, save: float | None = None) -> bool 
 
 
 def _identity() -> dict[str, Any]:
-    """Who this process is, for a lock or a status that others judge alive or dead."""
-    return dict(_identity_of(os.getpid()))
+    """Who this process is, for a lock or a status that others judge alive or dead.
+    Read once per process (a status is written at every step of a drain, and a commit
+    takes its lock, on its critical path), unless ``/proc`` could not say when it
+    started: then asked again next time."""
+    pid = os.getpid()
+    known = _IDENTITY.get(pid)
+    if known is None:
+        known = {"pid": pid, "host": socket.gethostname(), "started": _started(pid)}
+        if known["started"] is not None:
+            _IDENTITY[pid] = known
+    return dict(known)
 
 
-@functools.cache
-def _identity_of(pid: int) -> dict[str, Any]:
-    """:func:`_identity` of process ``pid``, this one: read once (a status is written at
-    every step of a drain, and a commit takes its lock, on its critical path)."""
-    return {"pid": pid, "host": socket.gethostname(), "started": _started(pid)}
+_IDENTITY: dict[int, dict[str, Any]] = {}  # this process's, by pid (a fork has its own)
 
 
 def _started(pid: int) -> str | None:

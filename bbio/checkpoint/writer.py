@@ -145,11 +145,13 @@ def write_node_file(
             written = crcs is not None
             if spare is not None and crcs is not None:
                 _set_root_attrs(h5py, spare[0], attrs, crcs)
-    except Exception as exc:  # named after the file: the caller's agreement names the rank
-        raise agreed_error([(rank, *describe_error(exc))], f"writing {path}", 1) from exc
-    finally:
         if spare is not None:
-            spare[0].close()
+            spare[0].close()  # HDF5 writes the attributes now: a full BB fails here
+    except Exception as exc:  # named after the file: the caller's agreement names the rank
+        if spare is not None:
+            with contextlib.suppress(Exception):  # already closed, or failing anyway
+                spare[0].close()
+        raise agreed_error([(rank, *describe_error(exc))], f"writing {path}", 1) from exc
     if not leader or not written:
         return 0
     fd = os.open(temp, os.O_RDONLY)
@@ -268,22 +270,24 @@ def _set_root_attrs(h5py, f, attrs: Mapping[str, Any], crcs: dict[str, int]) -> 
 
 def _overwrite_attr(h5py, owner, name: str, value: Any) -> bool:
     """Write ``value`` into the attribute ``name`` of the HDF5 object ``owner`` (a
-    low-level id) if it is there as a string where ``value`` is one, else as numbers
-    of ``value``'s kind and shape; False (nothing written) if not."""
+    low-level id) if it is there as h5py would store ``value``: a scalar UTF-8 string
+    of variable length for a ``str``, else numbers of the very dtype and shape NumPy
+    gives ``value``; False (nothing written) if not."""
     key = name.encode()
     if not h5py.h5a.exists(owner, key):
         return False
     attr = h5py.h5a.open(owner, key)
     if isinstance(value, str):
-        if h5py.check_string_dtype(attr.dtype) is None or attr.shape != ():
+        stored = h5py.check_string_dtype(attr.dtype)
+        if stored is None or stored.length is not None or stored.encoding != "utf-8":
             return False
         data = np.array(value, dtype=attr.dtype)
     else:
         data = np.asarray(value)
-        same_kind = data.dtype.kind == attr.dtype.kind and data.dtype.kind in "iuf"
-        if not same_kind or data.shape != attr.shape:
+        if data.dtype.kind not in "iuf" or data.dtype != attr.dtype:
             return False
-        data = data.astype(attr.dtype)
+    if data.shape != attr.shape:
+        return False
     attr.write(data)
     return True
 
