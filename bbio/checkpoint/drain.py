@@ -1613,6 +1613,9 @@ def step_committed(journal: Path, step: int, save: float | None = None) -> bool 
     return None
 
 
+_IDENTITY: dict[int, dict[str, Any]] = {}  # this process's, by pid (a fork has its own)
+
+
 def _identity() -> dict[str, Any]:
     """Who this process is, for a lock or a status that others judge alive or dead.
     Read once per process (a status is written at every step of a drain, and a commit
@@ -1625,9 +1628,6 @@ def _identity() -> dict[str, Any]:
         if known["started"] is not None:
             _IDENTITY[pid] = known
     return dict(known)
-
-
-_IDENTITY: dict[int, dict[str, Any]] = {}  # this process's, by pid (a fork has its own)
 
 
 def _started(pid: int) -> str | None:

@@ -134,13 +134,16 @@ def write_node_file(
     temp = files.temp_path(path) if temp is None else temp
     leader = node_comm.Get_rank() == 0
     spare = _open_spare(h5py, temp, node_specs) if leader and recycled else None
+    datasets = _node_datasets(node_specs)
     try:
-        offsets = _share_offsets(node_comm, node_specs, None if spare is None else spare[1])
+        offsets = _share_offsets(node_comm, datasets, None if spare is None else spare[1])
         if offsets is None:
-            written = _write_new_file(h5py, node_comm, temp, rank, arrays, node_specs, attrs)
+            written = _write_new_file(
+                h5py, node_comm, temp, rank, arrays, node_specs, datasets, attrs
+            )
         else:  # rank 0 has every rank's CRCs only once every write is done
             crcs = _gather_crcs(
-                node_comm, node_specs, lambda: _write_raw(temp, rank, arrays, offsets.__getitem__)
+                node_comm, datasets, lambda: _write_raw(temp, rank, arrays, offsets.__getitem__)
             )
             written = crcs is not None
             if spare is not None and crcs is not None:
@@ -172,16 +175,18 @@ def _write_new_file(
     rank: int,
     arrays: Mapping[str, Any],
     node_specs: Sequence[tuple[int, Mapping[str, dict]]],
+    datasets: list[list[str]],
     attrs: Mapping[str, Any],
 ) -> bool:
     """Collective over ``node_comm``: lay the file out with parallel HDF5, write every
     rank's arrays into it, set the root attributes; False if another rank's write
-    failed (this rank's failure is raised once the file is closed)."""
+    failed (this rank's failure is raised once the file is closed).  ``datasets``:
+    :func:`_node_datasets` of ``node_specs``."""
     with h5py.File(temp, "w", driver="mpio", comm=node_comm) as f:
         _create_datasets(h5py, f, node_specs)
         crcs = _gather_crcs(
             node_comm,
-            node_specs,
+            datasets,
             lambda: _write_raw(temp, rank, arrays, lambda name: f[name].id.get_offset()),
             everywhere=True,
         )
@@ -197,14 +202,13 @@ def _node_datasets(node_specs: Sequence[tuple[int, Mapping[str, dict]]]) -> list
 
 
 def _share_offsets(
-    node_comm,
-    node_specs: Sequence[tuple[int, Mapping[str, dict]]],
-    offsets: Mapping[str, int | None] | None,
+    node_comm, datasets: list[list[str]], offsets: Mapping[str, int | None] | None
 ) -> dict[str, int | None] | None:
-    """Collective over ``node_comm``: rank 0's ``offsets`` of the spare's datasets (None:
-    no spare to rewrite), on every rank.  One broadcast of a buffer whose size every
-    rank knows (a pickled object takes two: its size, then its bytes)."""
-    names = [name for owned in _node_datasets(node_specs) for name in owned]
+    """Collective over ``node_comm``: rank 0's ``offsets`` of the spare's ``datasets``
+    (:func:`_node_datasets`; None: no spare to rewrite), on every rank.  One broadcast
+    of a buffer whose size every rank knows (a pickled object takes two: its size,
+    then its bytes)."""
+    names = [name for owned in datasets for name in owned]
     shared = np.full(1 + len(names), NO_OFFSET, dtype=np.int64)  # [0]: a spare is rewritten
     if offsets is not None:
         shared[0] = 1
@@ -218,16 +222,16 @@ def _share_offsets(
 
 def _gather_crcs(
     node_comm,
-    node_specs: Sequence[tuple[int, Mapping[str, dict]]],
+    datasets: list[list[str]],
     write: Callable[[], dict[str, int]],
     everywhere: bool = False,
 ) -> dict[str, int] | None:
     """Collective over ``node_comm``: run this rank's ``write`` and share the CRC32Cs of
-    every rank's datasets with the node's rank 0 (``everywhere``: with every rank), in
-    one gather of buffers whose sizes every rank knows.  Raises this rank's failure
-    once shared (the caller's close may be collective); None where another rank
-    failed, and on ranks the CRCs are not shared with."""
-    datasets = _node_datasets(node_specs)
+    every rank's ``datasets`` (:func:`_node_datasets`) with the node's rank 0
+    (``everywhere``: with every rank), in one gather of buffers whose sizes every rank
+    knows.  Raises this rank's failure once shared (the caller's close may be
+    collective); None where another rank failed, and on ranks the CRCs are not shared
+    with."""
     counts = [1 + len(owned) for owned in datasets]  # [0] of each: the rank failed
     mine = np.zeros(counts[node_comm.Get_rank()], dtype=np.int64)
     failure = None
@@ -347,9 +351,9 @@ def _spare_offsets(
 
 
 def _offset_in_spare(h5py, dataset, name: str, entry: dict) -> int | None:
-    """Where ``dataset`` (``name``, a low-level id: the high-level objects take twice
-    the time) keeps its bytes (None: it has none), checked to hold an array as
-    ``entry`` (:func:`describe`) describes it."""
+    """Where ``dataset``, named ``name``, keeps its bytes (None: it has none), checked to
+    hold an array as ``entry`` (:func:`describe`) describes it.  ``dataset`` is a
+    low-level id: h5py's high-level objects take twice the time."""
     placement = {
         k: [int(v) for v in _read_attr(h5py, dataset, k)]
         for k in ("start", "global_shape")
