@@ -114,6 +114,16 @@ def test_table_prints_medians_and_target_ratios(tmp_path, capsys):
     ratios = ["--ratio", "bbio/bb-write", "--ratio", "bbio-drain@GB_per_s/pfs-write@GB_per_s"]
     assert table_main([str(source), *ratios]) == 0
     assert capsys.readouterr().out.splitlines()[2:] == ["| 16MiB | 2 | 0.8 |"]
+    later = tmp_path / "r-run2.json"
+    later.write_text(json.dumps({"results": [result("16MiB", "bbio", "seconds", 0.3)]}))
+    assert table_main([str(source), str(later), "--systems", "bbio", "--per-file"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "| run, case | bbio |",
+        "| --- | --- |",
+        "| r, 16MiB | 0.5 |",  # nothing sets it apart: its whole name
+        "| r, 64MiB | 2 |",
+        "| run2, 16MiB | 0.3 |",
+    ]
     with pytest.raises(bbio.UsageError, match="no results for metric"):
         table_main([str(source), "--metric", "nope"])
     with pytest.raises(bbio.UsageError, match="SYSTEM/SYSTEM"):

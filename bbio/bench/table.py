@@ -7,6 +7,9 @@ the form the issues' targets take.  The docs' tables are printed this way.
 With ``--run-rate`` a per-step rate (GB/s, samples/s) is summarised by its
 harmonic mean instead: the rate over the whole run, total work over total
 time, when every step does the same work (the read suite's steps do).
+With ``--per-file`` every file gets its own rows, labelled by what sets its
+name apart from the others' (``run28c, 16MiB``): runs side by side.
+Nothing here is collective: it reads JSON files, without MPI.
 """
 
 from __future__ import annotations
@@ -33,6 +36,31 @@ def medians(
     }
 
 
+def per_file(
+    named: list[tuple[str, dict]], run_rates: frozenset[str] = frozenset()
+) -> dict[tuple[str, str, str], float]:
+    """As :func:`medians`, one row per file and case: the case ``"LABEL, CASE"``, where
+    LABEL is what sets the file's name apart from the others' (its whole name if
+    nothing does)."""
+    names = [name for name, _ in named]
+    shared = _shared_prefix_length(names) if len(names) > 1 else 0
+    found = {}
+    for name, doc in named:
+        label = name[shared:].lstrip("-_.") or name
+        for (case, system, metric), value in medians([doc], run_rates).items():
+            found[(f"{label}, {case}", system, metric)] = value
+    return found
+
+
+def _shared_prefix_length(names: list[str]) -> int:
+    """How many leading characters all ``names`` share."""
+    first, last = min(names), max(names)
+    length = 0
+    while length < min(len(first), len(last)) and first[length] == last[length]:
+        length += 1
+    return length
+
+
 def _run_rate(values: list[float]) -> float:
     if not values or min(values) <= 0:
         raise UsageError(
@@ -51,9 +79,14 @@ def _format(value: float, digits: int) -> str:
 
 
 def median_table(
-    found: dict[tuple[str, str, str], float], metric: str, systems: list[str] | None, digits: int
+    found: dict[tuple[str, str, str], float],
+    metric: str,
+    systems: list[str] | None,
+    digits: int,
+    rows_are: str = "case",
 ) -> str:
-    """Cases by systems: the medians of ``metric`` (``systems``: the columns, in order)."""
+    """Cases by systems: the medians of ``metric`` (``systems``: the columns, in order;
+    ``rows_are``: the first column's heading)."""
     present = [s for c, s, m in found if m == metric]
     if not present:
         metrics = sorted({m for _, _, m in found})
@@ -65,7 +98,7 @@ def median_table(
             hint=f"the files have {sorted(set(present))}",
         )
     columns = systems or list(dict.fromkeys(present))
-    rows = [["case", *columns], ["---"] * (len(columns) + 1)]
+    rows = [[rows_are, *columns], ["---"] * (len(columns) + 1)]
     for case in _cases(found):
         cells = [found.get((case, s, metric)) for s in columns]
         if any(cell is not None for cell in cells):
@@ -79,16 +112,21 @@ def _operand(text: str, metric: str) -> tuple[str, str]:
 
 
 def ratio_table(
-    found: dict[tuple[str, str, str], float], ratios: list[str], metric: str, digits: int
+    found: dict[tuple[str, str, str], float],
+    ratios: list[str],
+    metric: str,
+    digits: int,
+    rows_are: str = "case",
 ) -> str:
-    """Cases by ratios ``A/B`` of two systems' medians (of ``metric`` unless ``@METRIC``)."""
+    """Cases by ratios ``A/B`` of two systems' medians (of ``metric`` unless ``@METRIC``;
+    ``rows_are``: the first column's heading)."""
     pairs = []
     for text in ratios:
         top, slash, bottom = text.partition("/")
         if not slash or not top or not bottom:
             raise UsageError(f"a ratio is SYSTEM/SYSTEM, got {text!r}", hint="e.g. bbio/bb-write")
         pairs.append((_operand(top, metric), _operand(bottom, metric)))
-    rows = [["case", *ratios], ["---"] * (len(ratios) + 1)]
+    rows = [[rows_are, *ratios], ["---"] * (len(ratios) + 1)]
     for case in _cases(found):
         cells = []
         for (a, am), (b, bm) in pairs:
@@ -112,17 +150,28 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="harmonic mean of the values (a rate over the whole run) instead of the median",
     )
+    parser.add_argument(
+        "--per-file",
+        action="store_true",
+        help="rows for each file and case, labelled by what sets the file's name apart",
+    )
     args = parser.parse_args(argv)
     shown = {args.metric} | {_operand(t, args.metric)[1] for r in args.ratio for t in r.split("/")}
     run_rates = frozenset(shown if args.run_rate else ())
-    found = medians([json.loads(p.read_text()) for p in args.json], run_rates)
+    documents = [json.loads(p.read_text()) for p in args.json]
+    if args.per_file:
+        named = [(path.stem, doc) for path, doc in zip(args.json, documents, strict=True)]
+        found = per_file(named, run_rates)
+        rows_are = "run, case"
+    else:
+        found, rows_are = medians(documents, run_rates), "case"
     if args.ratio and args.systems:
         raise UsageError("--systems and --ratio do not go together", hint="give one of them")
     if args.ratio:
-        print(ratio_table(found, args.ratio, args.metric, args.digits))
+        print(ratio_table(found, args.ratio, args.metric, args.digits, rows_are))
     else:
         systems = args.systems.split(",") if args.systems else None
-        print(median_table(found, args.metric, systems, args.digits))
+        print(median_table(found, args.metric, systems, args.digits, rows_are))
     return 0
 
 
