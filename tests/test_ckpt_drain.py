@@ -947,6 +947,45 @@ def test_trimming_keeps_one_spare_that_only_a_save_of_its_layout_claims(tmp_path
     assert not (bb / layout.step_dirname(5)).exists()
 
 
+def _commit_on_pfs(pfs, step: int, manifest: str | None = None) -> None:
+    step_dir = pfs / layout.step_dirname(step)
+    step_dir.mkdir(parents=True, exist_ok=True)
+    document = manifest or json.dumps({"format": drain.MANIFEST_FORMAT, "step": step})
+    drain.manifest_path(step_dir).write_text(document)
+
+
+def test_newest_committed_step_reads_manifests_newest_first(tmp_path, monkeypatch):
+    pfs = tmp_path / "pfs" / "ckpt" / "run"
+    assert drain.newest_committed_step(pfs) is None  # no directory yet
+    for step in range(1, 11):
+        _commit_on_pfs(pfs, step)
+    _commit_on_pfs(pfs, 11, manifest="{damaged")  # does not count
+    (pfs / layout.step_dirname(12)).mkdir()  # draining: no manifest
+    read = []
+    sound = drain._sound_manifest
+    monkeypatch.setattr(drain, "_sound_manifest", lambda d: read.append(d.name) or sound(d))
+    assert drain.newest_committed_step(pfs) == 10
+    assert read == [layout.step_dirname(s) for s in (12, 11, 10)]
+    assert drain.newest_committed_step(pfs, at_least=11) is None
+    assert drain.committed_steps(pfs) == list(range(1, 11))
+
+
+def test_trimming_reads_the_pfs_down_to_its_newest_commit_only(tmp_path, monkeypatch):
+    bb, pfs = tmp_path / "bb" / "ckpt" / "run", tmp_path / "pfs" / "ckpt" / "run"
+    journal = drain.journal_dir(bb)
+    journal.mkdir(parents=True)
+    _drained_copies(bb, pfs, {10: None, 11: None, 12: None})  # also commits step 9
+    for step in range(1, 12):  # steps kept on the PFS (keep_pfs)
+        _commit_on_pfs(pfs, step)
+    (pfs / layout.step_dirname(12)).mkdir()  # still draining
+    read = []
+    sound = drain._sound_manifest
+    monkeypatch.setattr(drain, "_sound_manifest", lambda d: read.append(d.name) or sound(d))
+    assert drain.trim_bb(bb, 0, 1, pfs, journal) == 0
+    assert [p.name for p in bb.glob("step-*")] == [layout.step_dirname(12)]
+    assert read == [layout.step_dirname(12), layout.step_dirname(11)]
+
+
 def test_without_recycling_trimmed_files_are_deleted(tmp_path):
     bb, pfs = tmp_path / "bb" / "ckpt" / "run", tmp_path / "pfs" / "ckpt" / "run"
     journal = drain.journal_dir(bb)

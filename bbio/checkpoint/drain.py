@@ -988,6 +988,20 @@ def committed_steps(ckpt_dir: Path) -> list[int]:
     return sorted(committed_saves(ckpt_dir))
 
 
+def newest_committed_step(ckpt_dir: Path, at_least: int | None = None) -> int | None:
+    """The newest step with a committed manifest under a PFS checkpoint directory, looking
+    no lower than ``at_least``; None if there is none.  Manifests are read newest first,
+    up to the first sound one (a damaged one does not count, as in
+    :func:`committed_steps`): one or two for a drain's trim, not one per step kept.
+    Not collective."""
+    for step in reversed(steps_in(ckpt_dir)):
+        if at_least is not None and step < at_least:
+            break
+        if _sound_manifest(ckpt_dir / layout.step_dirname(step)) is not None:
+            return step
+    return None
+
+
 def committed_saves(ckpt_dir: Path) -> dict[int, Any]:
     """{step: the committed save's time} of a PFS checkpoint directory (as
     :func:`committed_steps`).  Not collective."""
@@ -1073,7 +1087,8 @@ def trim_bb(
     ``max_bytes`` (rewrites grow it a little).  Not collective: the node's
     drain calls it after each task, and a save calls it (without ``recycle``)
     when the burst buffer is short of room.  The PFS is looked at only when
-    there are copies beyond ``keep``.  Returns how many are left beyond it.
+    there are copies beyond ``keep``, and then for its newest committed step
+    (:func:`newest_committed_step`).  Returns how many are left beyond it.
     """
     copies = sorted(
         step
@@ -1086,7 +1101,7 @@ def trim_bb(
         return 0
     queued = {t.step for t in pending(journal)}  # read after the listing
     aside = set_aside(journal)  # damaged: kept for the admin, and not waited for
-    committed = committed_steps(pfs_ckpt_dir)
+    newest = newest_committed_step(pfs_ckpt_dir, at_least=surplus[0])
     left = 0
     for step in surplus:
         if step in aside:
@@ -1097,7 +1112,7 @@ def trim_bb(
         except IntegrityError:  # a damaged record: kept for the admin, never trimmed
             record = {}
         drained = record.get("crc32c") is not None or record.get("retired") is True
-        if not drained or step in queued or not any(done >= step for done in committed):
+        if not drained or step in queued or newest is None or newest < step:
             left += 1
             continue
         record_path, node_file = (step_dir / name for name in layout.node_copy_names(node))
@@ -1582,7 +1597,9 @@ def was_committed(step_dir: Path, step: int, save: float | None = None) -> bool:
     try:
         if committed_save(step_dir, save):
             return True
-        return not step_dir.exists() and any(s > step for s in committed_steps(step_dir.parent))
+        if step_dir.exists():
+            return False
+        return newest_committed_step(step_dir.parent, at_least=step + 1) is not None
     except (OSError, BBIOError):
         return False
 
