@@ -66,7 +66,6 @@ import errno
 import fcntl
 import json
 import os
-import secrets
 import select
 import socket
 import stat
@@ -327,7 +326,7 @@ class StatusWaiter(_Fifo):
         super().__init__()
         self.path: Path | None = None
         directory = journal / WAITERS
-        name = f"{os.getpid()}-{secrets.token_hex(8)}"  # unique: never another's to remove
+        name = files.unique_tag()  # never another's to remove
         temp = directory / f".{name}"
         try:
             directory.mkdir(exist_ok=True)
