@@ -28,9 +28,17 @@ BASE_SYSTEMS = (
     "pfs-write",
     "pfs-write-node",
     "pfs-commit",
+    "pfs-commit-bb",
 )
 DCP_SYSTEMS = ("dcp-async", "dcp-async-committed")
-RATES = ("bbio-drain", "bbio-drain-stream", "pfs-write", "pfs-write-node", "pfs-commit")
+RATES = (
+    "bbio-drain",
+    "bbio-drain-stream",
+    "pfs-write",
+    "pfs-write-node",
+    "pfs-commit",
+    "pfs-commit-bb",
+)
 
 
 def torch_importable() -> bool:

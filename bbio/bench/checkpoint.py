@@ -70,11 +70,17 @@ one measurement that starts after a barrier:
   directory once.  No burst-buffer read, no records, no lock and one directory
   fsync fewer than bbio's commit: a lower bound on any drain that copies one
   file per node, verifies it and commits with the manifest last.
+* ``pfs-commit-bb``: ``pfs-commit`` with the bytes copied from the burst
+  buffer, as a drain must take them: each leader copies a node file of the
+  node's bytes (written there untimed just before, as a save leaves it) with
+  the native copy and its CRC32C, in file order, as the drain copies.  The
+  floor of a drain on this machine, where reading the burst buffer takes the
+  same cores as the PFS's client and servers.
 
 Derived, metric ``GB_per_s`` (10**9 bytes/s of state, all ranks): ``bbio-drain``
 = bytes / (``bbio-committed`` - ``bbio``) of the same save, ``bbio-drain-stream``
-= ``--stream`` x bytes / ``bbio-stream``, ``pfs-write``, ``pfs-write-node`` and
-``pfs-commit``.
+= ``--stream`` x bytes / ``bbio-stream``, ``pfs-write``, ``pfs-write-node``,
+``pfs-commit`` and ``pfs-commit-bb``.
 
 Before measuring, one untimed round of every system at 1 MiB per rank warms
 up imports, MPI-IO, the drain processes and gloo; before each size, one
@@ -109,6 +115,7 @@ from pathlib import Path
 import numpy as np
 
 import bbio.bench as bench
+from bbio import _native
 from bbio.bench import (
     BenchContext,
     MiB,
@@ -149,6 +156,7 @@ SYSTEMS = (
     "pfs-write",
     "pfs-write-node",
     "pfs-commit",
+    "pfs-commit-bb",
 )
 # The seconds recorded, in this order (two systems give two values each).
 REPORTED = (
@@ -167,6 +175,7 @@ REPORTED = (
     "pfs-write",
     "pfs-write-node",
     "pfs-commit",
+    "pfs-commit-bb",
 )
 COMMIT_TIMEOUT = 1800.0
 CKPT_NAME = "bench"
@@ -283,6 +292,18 @@ def write_file(path: Path, arrays: list[np.ndarray]) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _copy_node_file(source: Path, fd: int, target: Path) -> None:
+    """Copy the file ``source`` into the empty open file ``fd`` (``target``) as the drain
+    copies a node file: the native copy with its CRC32C, in file order."""
+    source_fd = os.open(source, os.O_RDONLY)
+    try:
+        _native.copy_whole(
+            source_fd, fd, src_path=source, dst_path=target, checksum=True, sequential=True
+        )
+    finally:
+        os.close(source_fd)
 
 
 def _fsync_path(path: Path) -> None:
@@ -518,14 +539,29 @@ class CheckpointBench:
         return {"pfs-write-node": seconds}
 
     def pfs_commit(self, state: dict[str, np.ndarray]) -> dict[str, float]:
-        """The floor of a drain: one file per node written under a temporary name, read
-        back during its fsync and renamed; then a view and a manifest written at once
-        and renamed, the manifest last (rank 0)."""
+        """The floor of a drain, the bytes written from memory."""
+        return {"pfs-commit": self._pfs_commit(state, from_bb=False)}
+
+    def pfs_commit_bb(self, state: dict[str, np.ndarray]) -> dict[str, float]:
+        """The floor of a drain, the bytes copied from the burst buffer."""
+        return {"pfs-commit-bb": self._pfs_commit(state, from_bb=True)}
+
+    def _pfs_commit(self, state: dict[str, np.ndarray], from_bb: bool) -> float:
+        """One file per node written under a temporary name (from memory, or copied from
+        a node file in the burst buffer), read back during its fsync and renamed; then a
+        view and a manifest written at once and renamed, the manifest last (rank 0)."""
         arrays = list(state.values())
         node_bytes = self.topo.node_comm.allreduce(sum(a.nbytes for a in arrays))
         step_dir = self.pfs / "raw" / "commit"
         node_file = step_dir / f"node-{self.node:05d}.h5"
         view, manifest = step_dir / "global.h5", step_dir / "manifest.json"
+        source = self.node_bb / "raw" / f"node-{self.node:05d}.h5"
+        if from_bb and self.leader:
+            fd = os.open(source, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                write_bytes(fd, arrays, node_bytes)
+            finally:
+                os.close(fd)
         self.comm.Barrier()
         start = time.perf_counter()
         if self.leader:
@@ -533,7 +569,10 @@ class CheckpointBench:
             temp = files.temp_path(node_file)
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                write_bytes(fd, arrays, node_bytes)
+                if from_bb:
+                    _copy_node_file(source, fd, temp)
+                else:
+                    write_bytes(fd, arrays, node_bytes)
                 with ThreadPoolExecutor(1) as pool:
                     reading = pool.submit(files.checksum_file, temp)
                     os.fsync(fd)
@@ -558,7 +597,9 @@ class CheckpointBench:
         seconds = _max(self.comm, seconds)
         if self.rank == 0:
             _remove(step_dir)
-        return {"pfs-commit": seconds}
+        if from_bb and self.leader:
+            source.unlink()
+        return seconds
 
     def _h5py_write(self, comm, path: Path, state: dict[str, np.ndarray]) -> float:
         """Collective over ``comm``: the arrays into one HDF5 file (``mpio``), fsynced; seconds."""
@@ -694,6 +735,7 @@ class CheckpointBench:
             "pfs-write": self.pfs_write,
             "pfs-write-node": self.pfs_write_node,
             "pfs-commit": self.pfs_commit,
+            "pfs-commit-bb": self.pfs_commit_bb,
         }
         chosen = [s for s in SYSTEMS if s in self.args.systems]
         if not self.use_torch:
@@ -727,7 +769,7 @@ class CheckpointBench:
                 "GB/s",
                 gb_per_s(streamed, seconds["bbio-stream"]),
             )
-        for system in ("pfs-write", "pfs-write-node", "pfs-commit"):
+        for system in ("pfs-write", "pfs-write-node", "pfs-commit", "pfs-commit-bb"):
             if system in seconds:
                 add(case, system, "GB_per_s", "GB/s", gb_per_s(total_bytes, seconds[system]))
 
