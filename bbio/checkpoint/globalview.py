@@ -12,6 +12,10 @@ merges the records (:func:`merge_descriptions`), builds the file in memory
 (:func:`global_view`) and writes it with one write: no HDF5 reads or small
 writes on the PFS.  The virtual datasets of a layout are built once per
 process, and each commit adds its save's attributes to a copy.
+
+HDF5 reads ``%`` in the source file and dataset names of a virtual dataset as a
+printf-style specifier (``%b``, a block number; ``%%``, a ``%``): every source
+name is given to it escaped (:func:`vds_source_name`), so any state key maps.
 """
 
 from __future__ import annotations
@@ -197,6 +201,12 @@ def _layout_image(structure: dict[str, Any]) -> bytes:
         return f.id.get_file_image()
 
 
+def vds_source_name(name: str) -> str:
+    """``name`` as a virtual dataset's source file or dataset name: each ``%`` doubled, so
+    that HDF5 reads it as itself, not as a printf-style specifier (see H5Pset_virtual)."""
+    return name.replace("%", "%%")
+
+
 def _map_global_arrays(f, meta: dict[str, Any]) -> None:
     import h5py
 
@@ -208,8 +218,8 @@ def _map_global_arrays(f, meta: dict[str, Any]) -> None:
         vlayout = h5py.VirtualLayout(shape=shape, dtype=parts[0]["dtype"])
         for d in parts:
             source = h5py.VirtualSource(
-                layout.node_filename(d["node"]),
-                layout.rank_dataset(key, d["rank"]),
+                vds_source_name(layout.node_filename(d["node"])),
+                vds_source_name(layout.rank_dataset(key, d["rank"])),
                 shape=tuple(d["shape"]),
             )
             box = (tuple(d["start"]), tuple(d["shape"]))
@@ -228,7 +238,9 @@ def _map_rank_arrays(f, meta: dict[str, Any]) -> None:
             f.create_dataset(name, data=value)
             continue
         vlayout = h5py.VirtualLayout(shape=shape, dtype=d["dtype"])
-        vlayout[...] = h5py.VirtualSource(layout.node_filename(d["node"]), name, shape=shape)
+        vlayout[...] = h5py.VirtualSource(
+            vds_source_name(layout.node_filename(d["node"])), vds_source_name(name), shape=shape
+        )
         f.create_virtual_dataset(name, vlayout)
 
 
