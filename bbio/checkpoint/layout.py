@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 
@@ -39,25 +40,54 @@ _STEP = re.compile(r"^step-(\d{8,})$")
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """A rank's slice of a global array: ``data`` sits at ``start`` in ``global_shape``."""
+    """A rank's slice of a global array: ``data`` sits at ``start`` in ``global_shape``.
+
+    ``start`` and ``global_shape`` are tuples or lists of integers of at least 0
+    (``int`` or NumPy integers, not booleans), one per dimension of ``data``.  Not
+    collective: bad arguments raise a :class:`UsageError` on the building rank
+    alone; ``Checkpointer.save`` checks its Shards again, on every rank at once.
+    """
 
     data: np.ndarray
     start: tuple[int, ...]
     global_shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        data = as_array("a Shard's data", self.data)
-        start, shape = tuple(int(s) for s in self.start), tuple(int(s) for s in self.global_shape)
-        if not (len(start) == len(shape) == data.ndim):
-            raise UsageError(
-                f"a Shard needs start and global_shape with one entry per dimension of its "
-                f"data ({data.ndim}), got {start} and {shape}"
-            )
-        if any(s < 0 or s + n > g for s, n, g in zip(start, data.shape, shape, strict=True)):
-            raise UsageError(f"a Shard of shape {data.shape} at {start} does not fit in {shape}")
+        data, start, shape = shard_parts(self.data, self.start, self.global_shape)
         object.__setattr__(self, "data", data)
         object.__setattr__(self, "start", start)
         object.__setattr__(self, "global_shape", shape)
+
+
+def shard_parts(
+    data: object, start: object, global_shape: object
+) -> tuple[np.ndarray, tuple[int, ...], tuple[int, ...]]:
+    """A :class:`Shard`'s arguments as an array and two int tuples, or the
+    :class:`UsageError` saying which one is wrong and how."""
+    array = as_array("a Shard's data", data)
+    start, shape = _coordinates("start", start), _coordinates("global_shape", global_shape)
+    if not (len(start) == len(shape) == array.ndim):
+        raise UsageError(
+            f"a Shard needs start and global_shape with one entry per dimension of its "
+            f"data ({array.ndim}), got {start} and {shape}"
+        )
+    if any(s + n > g for s, n, g in zip(start, array.shape, shape, strict=True)):
+        raise UsageError(
+            f"a Shard of shape {array.shape} at {start} does not fit in {shape}",
+            hint="give start + data.shape of at most global_shape in every dimension",
+        )
+    return array, start, shape
+
+
+def _coordinates(name: str, value: object) -> tuple[int, ...]:
+    """A Shard's ``start`` or ``global_shape``: a tuple or list of integers of at least 0."""
+    if not isinstance(value, (tuple, list)):
+        raise UsageError(
+            f"a Shard's {name} must be a tuple or list of integers, not {value!r} "
+            f"({type(value).__name__})",
+            hint=f"pass {name} as a tuple with one int per dimension of the data",
+        )
+    return tuple(integer_argument(f"each entry of a Shard's {name}", n, 0) for n in value)
 
 
 def step_dirname(step: int) -> str:
@@ -246,12 +276,18 @@ def first_overlap(boxes: Sequence[Box]) -> tuple[int, int] | None:
 def covers(wanted: Box, pieces: Sequence[Box]) -> bool:
     """True if ``pieces`` together cover all of ``wanted`` (disjoint but for identical
     ones, as :func:`first_overlap` checks at save time)."""
+    return uncovered(wanted, pieces) == 0
+
+
+def uncovered(wanted: Box, pieces: Sequence[Box]) -> int:
+    """How many elements of ``wanted`` no piece covers (the pieces disjoint but for
+    identical ones, as :func:`first_overlap` checks at save time)."""
     covered = 0
     for piece in set(pieces):
         overlap = intersect(wanted, piece)
         if overlap is not None:
-            covered += int(np.prod(overlap[1], dtype=np.int64))
-    return covered == int(np.prod(wanted[1], dtype=np.int64))
+            covered += math.prod(overlap[1])
+    return math.prod(wanted[1]) - covered
 
 
 def local_slices(box: Box, within: Box) -> tuple[slice, ...]:

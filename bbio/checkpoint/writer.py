@@ -32,6 +32,7 @@ import contextlib
 import itertools
 import json
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -50,6 +51,8 @@ from bbio.checkpoint.layout import (
     check_key,
     first_overlap,
     rank_dataset,
+    shard_parts,
+    uncovered,
 )
 from bbio.errors import DependencyError, IntegrityError, UsageError
 from bbio.mpi import agreed_error, describe_error
@@ -84,7 +87,14 @@ def describe(arrays: Mapping[str, Any]) -> dict[str, dict]:
     spec = {}
     for key, value in arrays.items():
         check_key(key)
-        data = value.data if isinstance(value, Shard) else as_array(f"state {key!r}", value)
+        if isinstance(value, Shard):  # checked again: it may have changed since it was built
+            try:
+                data, start, global_shape = shard_parts(value.data, value.start, value.global_shape)
+            except UsageError as exc:
+                exc.message = f"state {key!r}: {exc.message}"
+                raise
+        else:
+            data = as_array(f"state {key!r}", value)
         refused = data.dtype.kind in "UMm"  # unicode, datetime64, timedelta64: no HDF5 type
         if data.dtype.hasobject or refused or data.dtype.names is not None:
             raise UsageError(
@@ -98,8 +108,8 @@ def describe(arrays: Mapping[str, Any]) -> dict[str, dict]:
             "bytes": int(data.nbytes),
         }
         if isinstance(value, Shard):
-            entry["start"] = list(value.start)
-            entry["global_shape"] = list(value.global_shape)
+            entry["start"] = list(start)
+            entry["global_shape"] = list(global_shape)
         spec[key] = entry
     return spec
 
@@ -450,7 +460,8 @@ def file_attrs(
 
 def global_shapes(all_specs: list[dict[str, dict]], arrays_layout: str) -> dict[str, list[int]]:
     """The global shape of every key (global layout), checked to agree across ranks, and
-    the ranks' shards of each key checked not to overlap (identical ones are replicas)."""
+    the ranks' shards of each key checked not to overlap (identical ones are replicas)
+    and to cover the whole global array."""
     shapes: dict[str, list[int]] = {}
     if arrays_layout != GLOBAL:
         return shapes
@@ -487,6 +498,15 @@ def global_shapes(all_specs: list[dict[str, dict]], arrays_layout: str) -> dict[
                 f"{_extent(box_a)} and {_extent(box_b)}",
                 hint="give each rank its own part of a global array; a part several ranks "
                 "hold must be the same box on each (a replica, restored from one of them)",
+            )
+        shape = tuple(shapes[key])
+        missing = uncovered(((0,) * len(shape), shape), [box for _, box in held])
+        if missing:
+            raise UsageError(
+                f"the Shards of {key!r} leave {missing} of the {math.prod(shape)} elements of "
+                f"its global shape {shape} in no rank's Shard (read as zeros from global.h5)",
+                hint="give the ranks' Shards the whole global array between them, or save "
+                "this state as per-rank arrays (plain arrays, not Shards)",
             )
     return shapes
 
