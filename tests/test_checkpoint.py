@@ -386,12 +386,25 @@ def test_drain_killed_mid_copy_is_finished_by_the_epilog(comm, shared_tmp):
         assert admin.verify(shared_tmp / "bb" / "0", shared_tmp / "pfs", name="k") == 4
 
 
+def refused_resave(comm, ckpt, step: int, where: str) -> None:
+    """``ckpt.save(step)`` without ``replace`` raises the same UsageError on every rank,
+    naming where the step's complete copy is."""
+    with pytest.raises(bbio.UsageError) as info:
+        ckpt.save(step, state(99, comm.Get_rank()))
+    message = str(info.value)
+    assert comm.allgather(message) == [message] * comm.Get_size()
+    assert f"step {step} is already saved ({where})" in message and "replace=True" in message
+
+
 def test_resaving_a_step_replaces_it(comm, shared_tmp):
     config = config_for(comm, shared_tmp)
     rank = comm.Get_rank()
     with bbio.Checkpointer(comm, "again", config=config) as ckpt:
         ckpt.save(4, state(4, rank)).wait(timeout=60)
-        ckpt.save(4, state(40, rank)).wait(timeout=60)
+        refused_resave(comm, ckpt, 4, "in every node's burst buffer")
+        step, arrays, _ = ckpt.restore()  # the refused save dropped nothing
+        assert step == 4 and same(arrays, state(4, rank)) and ckpt.last_restore_tier == "bb"
+        ckpt.save(4, state(40, rank), replace=True).wait(timeout=60)
         step, arrays, _ = ckpt.restore()
         assert step == 4 and same(arrays, state(40, rank))
         comm.Barrier()
@@ -415,7 +428,9 @@ def test_a_new_job_saving_a_committed_step_again_replaces_it(comm, shared_tmp):
     # the next job runs on other nodes: fresh burst buffers, the same PFS
     fresh = config_for(comm, shared_tmp, bb_root=str(shared_tmp / "bb2" / "{node}"))
     with bbio.Checkpointer(comm, "rerun", config=fresh) as ckpt:
-        ckpt.save(4, state(40, rank)).wait(timeout=60)
+        refused_resave(comm, ckpt, 4, "committed on the PFS")
+        assert json.loads((pfs_step / "manifest.json").read_text()) == first
+        ckpt.save(4, state(40, rank), replace=True).wait(timeout=60)
         step, arrays, _ = ckpt.restore()
         assert step == 4 and same(arrays, state(40, rank))
         assert ckpt.last_restore_tier == "bb"
@@ -425,6 +440,24 @@ def test_a_new_job_saving_a_committed_step_again_replaces_it(comm, shared_tmp):
     with bbio.Checkpointer(comm, "rerun", config=third) as ckpt:  # no BB copy: the PFS one
         step, arrays, _ = ckpt.restore()
         assert step == 4 and same(arrays, state(40, rank)) and ckpt.last_restore_tier == "pfs"
+
+
+def test_a_step_with_no_complete_copy_is_saved_again_without_replace(comm, shared_tmp):
+    """A step whose save never committed and whose burst-buffer copies are gone (a job
+    killed while draining it, on nodes since given up) has no copy to lose: saved
+    again as any new step."""
+    rank = comm.Get_rank()
+    with bbio.Checkpointer(comm, "lost", config=config_for(comm, shared_tmp)) as ckpt:
+        ckpt.save(4, state(4, rank)).wait(timeout=60)
+    pfs_step = shared_tmp / "pfs" / "ckpt" / "lost" / "step-00000004"
+    if rank == 0:
+        (pfs_step / "manifest.json").unlink()  # the node files stay: never committed
+    comm.Barrier()
+    fresh = config_for(comm, shared_tmp, bb_root=str(shared_tmp / "bb2" / "{node}"))
+    with bbio.Checkpointer(comm, "lost", config=fresh) as ckpt:
+        ckpt.save(4, state(40, rank)).wait(timeout=60)
+        step, arrays, _ = ckpt.restore()
+        assert step == 4 and same(arrays, state(40, rank))
 
 
 def test_virtual_nodes_sharing_one_burst_buffer_are_refused(comm, shared_tmp):
@@ -503,7 +536,8 @@ def test_a_burst_buffer_copy_of_a_save_made_again_since_is_not_restored(comm, sh
     }
     for job, value in (("A", 1.0), ("B", 2.0)):
         with bbio.Checkpointer(comm, "again", config=jobs[job]) as ckpt:
-            ckpt.save(10, {"x": np.full(4, value)}, attrs={"v": value}).wait(timeout=60)
+            handle = ckpt.save(10, {"x": np.full(4, value)}, attrs={"v": value}, replace=True)
+            handle.wait(timeout=60)
     with bbio.Checkpointer(comm, "again", config=jobs["A"]) as ckpt:
         (listed,) = ckpt.list()
         assert (listed.step, listed.pfs) == (10, "committed")

@@ -180,6 +180,37 @@ def test_a_different_step_on_one_rank_is_a_usage_error_everywhere(comm, shared_t
         assert [i.step for i in ckpt.list()] == [5]
 
 
+def test_a_bad_close_timeout_on_one_rank_is_a_usage_error_everywhere(comm, shared_tmp):
+    rank = comm.Get_rank()
+    ckpt = bbio.Checkpointer(comm, "c", config=config_for(comm, shared_tmp))
+    ckpt.save(1, state(1, rank))
+    with pytest.raises(bbio.UsageError) as info:
+        ckpt.close(timeout=-1 if rank == 1 else 30)
+    assert "close: timeout must be at least 0" in same_everywhere(comm, info.value)
+    ckpt.close(timeout=60)  # nothing was closed: it closes now
+
+
+def test_a_damaged_task_in_one_journal_is_one_error_everywhere_not_a_hang(comm, shared_tmp):
+    """``close`` (and a blocking or skipping save) look at every node's queue; a task file
+    that is not JSON on one node raises the same error on every rank."""
+    rank = comm.Get_rank()
+    ckpt = bbio.Checkpointer(comm, "j", config=config_for(comm, shared_tmp))
+    ckpt.save(1, state(1, rank)).wait(timeout=60)
+    damaged = drain.task_path(ckpt.journal, 7)
+    if rank == comm.Get_size() - 1:  # the last node's leader
+        damaged.write_text("{not json")
+    comm.Barrier()
+    with pytest.raises(bbio.BBIOError) as info:
+        ckpt.close(timeout=20)
+    message = same_everywhere(comm, info.value)
+    assert "task-00000007.json" in message, message
+    comm.Barrier()
+    if rank == comm.Get_size() - 1:
+        damaged.unlink()
+    comm.Barrier()
+    ckpt.close(timeout=60)
+
+
 def test_different_arguments_to_the_constructor_or_restore_are_a_usage_error(comm, shared_tmp):
     rank = comm.Get_rank()
     config = config_for(comm, shared_tmp)
@@ -195,6 +226,8 @@ def test_different_arguments_to_the_constructor_or_restore_are_a_usage_error(com
         with pytest.raises(bbio.UsageError) as info:
             ckpt.restore(from_rank=1 if rank == 1 else None)
         assert "from_rank given: rank 0 False, rank 1 True" in same_everywhere(comm, info.value)
+        step, arrays, _ = ckpt.restore(step=np.int64(1) if rank == 0 else 1)  # equal steps
+        assert step == 1 and same(arrays, state(1, rank))
     for arguments, expected in (  # before: raw TypeErrors
         ({"name": 7}, "invalid checkpoint name 7"),
         ({"keep_bb": "2"}, "keep_bb must be an integer, not '2' (str)"),
@@ -253,7 +286,7 @@ def test_steps_are_integers_after_the_newest_and_attrs_are_json(comm, shared_tmp
         message = same_everywhere(comm, info.value)
         assert "already has step 5, later than step 3" in message, message
         assert not (shared_tmp / "bb" / "0" / "ckpt" / "order" / "step-00000003").exists()
-        ckpt.save(5, state(50, rank)).wait(timeout=60)  # the same step again is fine
+        ckpt.save(5, state(50, rank), replace=True).wait(timeout=60)  # the same step again
         step, arrays, _ = ckpt.restore()
         assert step == 5 and same(arrays, state(50, rank))
         ckpt.save(6, state(6, rank)).wait(timeout=60)  # below the uncommitted step 9

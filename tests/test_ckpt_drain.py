@@ -384,6 +384,81 @@ def test_the_last_node_commits_before_it_publishes_its_record(tmp_path, monkeypa
     assert files.read_json(pfs_step / layout.node_record_name(1))["time"] == 1.5
 
 
+def two_published_records(tmp_path, step=7, when=1.5):
+    """Both nodes' copies of a save drained and their records published on the PFS, not
+    committed: the step's PFS directory."""
+    for journal in two_node_save(tmp_path / "bb", step, when):
+        drain.start_copy(drain.pending(journal)[0]).finish(journal)
+    return tmp_path / "pfs" / layout.step_dirname(step)
+
+
+def test_a_commit_of_records_uncommitted_meanwhile_leaves_no_manifest(tmp_path, monkeypatch):
+    """A committer read the records of save 1.5; before it takes the commit lock, the step
+    is saved again and uncommitted (its records removed under the lock).  Its manifest
+    of the old save is never renamed into place, and its temporary files go."""
+    pfs_step = two_published_records(tmp_path)
+    take = drain._take_commit_lock
+    uncommitted = []
+
+    def saved_again_first(step_dir):
+        if not uncommitted:
+            uncommitted.append(True)
+            drain.uncommit(step_dir, 2)
+        return take(step_dir)
+
+    monkeypatch.setattr(drain, "_take_commit_lock", saved_again_first)
+    assert drain.try_commit(pfs_step, 2, patience=0.0) is False
+    assert uncommitted and drain.read_manifest(pfs_step) is None
+    assert not [p.name for p in pfs_step.iterdir() if p.name.startswith(".manifest")]
+    assert not (pfs_step / drain.COMMIT_LOCK).exists()
+
+
+def test_a_commit_of_a_known_record_no_longer_current_leaves_no_manifest(tmp_path):
+    """The last node commits with its own record not yet published (``known``); if its
+    burst buffer no longer records that save (dropped, to be saved again), no manifest."""
+    pfs_step = two_published_records(tmp_path)
+    mine = files.read_json(pfs_step / layout.node_record_name(1))
+    (pfs_step / layout.node_record_name(1)).unlink()  # as if not yet published
+    assert not drain.try_commit(pfs_step, 2, {1: mine}, patience=0.0, known_current=lambda: False)
+    assert drain.read_manifest(pfs_step) is None
+    assert drain.try_commit(pfs_step, 2, {1: mine}, patience=0.0, known_current=lambda: True)
+    assert drain.read_manifest(pfs_step)["time"] == 1.5
+
+
+def test_uncommit_waits_for_a_commit_holding_the_lock_then_removes_it(tmp_path, monkeypatch):
+    """A save of the step made again while a commit holds the lock: the uncommit waits
+    for the lock, so the manifest it removes is never renamed in after it."""
+    pfs_step = two_published_records(tmp_path)
+    write = drain._write_view_then_manifest
+    waiting: list[threading.Thread] = []
+
+    def slow_write(*args):
+        uncommitting = threading.Thread(target=drain.uncommit, args=(pfs_step, 2))
+        uncommitting.start()
+        waiting.append(uncommitting)
+        time.sleep(0.3)  # the uncommit waits on the lock meanwhile
+        assert uncommitting.is_alive()
+        return write(*args)
+
+    monkeypatch.setattr(drain, "_write_view_then_manifest", slow_write)
+    assert drain.try_commit(pfs_step, 2, patience=0.0)
+    waiting[0].join(10)
+    assert not waiting[0].is_alive()
+    assert drain.read_manifest(pfs_step) is None
+    assert not [p for p in pfs_step.glob("*.json") if p.name.startswith("node-")]
+
+
+def test_a_drain_s_own_save_is_current_until_its_burst_buffer_drops_it(tmp_path):
+    """What the last node tells its commit about its own, unpublished record."""
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    (task,) = drain.pending(j0)
+    assert drain._still_saved(task)
+    files.write_json_atomic(task.bb_record, {**files.read_json(task.bb_record), "time": 2.5})
+    assert not drain._still_saved(task)  # saved again
+    task.bb_record.unlink()
+    assert not drain._still_saved(task)  # dropped for a save to come
+
+
 def _watch_the_step(monkeypatch, events):
     """Record in ``events`` the renames of records into place ("publish"), directory
     fsyncs, commit locks taken and tasks taken out of a journal, in order."""

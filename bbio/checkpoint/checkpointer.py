@@ -167,6 +167,7 @@ class _SaveCheck(NamedTuple):
     node: int
     free: int | None  # bytes free in the node's burst buffer, spares counted (leaders)
     old_copy: bool  # the node's burst buffer holds an earlier save of the step (leaders)
+    old_save: float | None  # the save time of the node's complete copy of the step (leaders)
     user_attrs: str  # as JSON
     arguments: dict[str, str]  # the call's arguments (:func:`fingerprints`)
 
@@ -265,7 +266,13 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- save
 
-    def save(self, step: int, arrays: Mapping[str, Any], attrs: Mapping[str, Any] | None = None):
+    def save(
+        self,
+        step: int,
+        arrays: Mapping[str, Any],
+        attrs: Mapping[str, Any] | None = None,
+        replace: bool = False,
+    ):
         """Collective: save ``arrays`` as checkpoint ``step``; returns a :class:`SaveHandle`.
 
         ``arrays`` maps state keys to this rank's arrays, or all to
@@ -274,8 +281,10 @@ class Checkpointer:
         once the checkpoint is committed on the PFS).  ``attrs`` must be JSON.
         ``step`` is a non-negative integer (NumPy's too), not below a step of
         this checkpointer committed on the PFS, queued for a drain, or saved
-        since (it may be one of them again): restore and retention order
-        checkpoints by step.
+        since: restore and retention order checkpoints by step.  A step that
+        has a complete copy (committed on the PFS, or in every node's burst
+        buffer) is saved again only with ``replace`` (the same on every rank),
+        which drops that copy before the new one is written.
         """
         self._check_open()
         comm = self.comm
@@ -287,6 +296,8 @@ class Checkpointer:
             nonlocal made_step_dir
             if not integral:
                 raise UsageError(f"checkpoint steps are integers, not {step!r}")
+            if not isinstance(replace, bool):
+                raise UsageError(f"save: replace must be True or False, not {replace!r}")
             layout.step_dirname(step)
             try:
                 user_attrs = json.dumps(dict(attrs or {}), sort_keys=True)
@@ -301,10 +312,11 @@ class Checkpointer:
             except UsageError as exc:  # the call's name, the same on every rank, has no step
                 exc.message = f"step {step}: {exc.message}"
                 raise
-            free, old_copy = None, False
+            free, old_copy, old_save = None, False, None
             if self.topo.is_leader:  # a spare is claimed or deleted before the node writes
                 free = files.free_bytes(self.bb_dir) + drain.spare_bytes(self.bb_dir, self.node)
                 old_copy = self._has_bb_copy(step)
+                old_save = self._complete_bb_save(step) if old_copy else None
                 (self.bb_dir / layout.step_dirname(step)).mkdir(parents=True, exist_ok=True)
                 made_step_dir = True
             return _SaveCheck(
@@ -314,12 +326,13 @@ class Checkpointer:
                 self.node,
                 free,
                 old_copy,
+                old_save,
                 user_attrs,
                 arguments,
             )
 
         call = f"checkpoint {self.name}: save"
-        arguments = fingerprints({"step": step})
+        arguments = fingerprints({"step": step, "replace": replace})
         try:  # the arguments are compared with what the save gathers: one collective
             checked = agreed_allgather(comm, call, check)
             check_same_arguments(call, [theirs.arguments for theirs in checked])
@@ -365,7 +378,7 @@ class Checkpointer:
             if theirs.free is not None:
                 free[theirs.node] = theirs.free
         if step in self._pfs_steps or any(theirs.old_copy for theirs in checked):
-            self._replace(step)  # saved before: its old copies go before any node writes
+            self._replace(step, checked, replace)  # its old copies go before any node writes
         self._pfs_steps.add(step)
         self._ordered_steps.add(step)
         direct = not self._room_in_every_bb(need, free)
@@ -458,44 +471,72 @@ class Checkpointer:
             (self.bb_dir / name / stale).exists() for stale in layout.node_copy_names(self.node)
         )
 
-    def _replace(self, step: int) -> None:
-        """Collective: before ``step`` is written again, drop its older copies everywhere.
+    def _complete_bb_save(self, step: int) -> float | None:
+        """A node leader: the save time of this node's complete burst-buffer copy of
+        ``step`` (as :meth:`restore` would take it), or None."""
+        try:
+            return reader.bb_copies(self.bb_dir, self.node).get(step, {}).get("time")
+        except IntegrityError:  # a damaged record: no complete copy
+            return None
 
-        Rank 0 uncommits it on the PFS (manifest, then every node's record);
-        each node leader drops its node's BB copy and queued task.
+    def _replace(self, step: int, checked: Sequence[_SaveCheck], replace: bool) -> None:
+        """Collective: before ``step`` is written again, drop its older copies everywhere,
+        once the older save is known to be incomplete or ``replace`` is given (else every
+        rank raises the same :class:`UsageError`).
+
+        Each node leader drops its node's BB copy and queued task, then rank 0
+        uncommits the step on the PFS (:func:`drain.uncommit`).
         """
-        with agreed(self.comm, f"checkpoint {self.name} step {step}: replacing the old copy"):
-            bb_step = self.bb_dir / layout.step_dirname(step)
-            self._drop_copies(step, bb_step)
-            if self.topo.is_leader:
-                bb_step.mkdir(parents=True, exist_ok=True)  # if trimmed meanwhile
+        call = f"checkpoint {self.name} step {step}"
+        saves = {theirs.node: theirs.old_save for theirs in checked if theirs.old_save is not None}
+        on_every_node = len(saves) == self.nodes and len(set(saves.values())) == 1
+        where = "in every node's burst buffer" if on_every_node else None
+        if where is None and step in self._pfs_steps:
+            committed = False
+            with agreed(self.comm, f"{call}: looking for its committed copy"):
+                if self.rank == 0:
+                    committed = drain.committed_save(self.pfs_dir / layout.step_dirname(step))
+            where = "committed on the PFS" if self.comm.bcast(committed, root=0) else None
+        if where is not None and not replace:
+            self._drop_unused_bb_step_dir(step)
+            raise UsageError(
+                f"{call} is already saved ({where}): saving it again would drop that "
+                "copy before the new one is durable",
+                path=self.pfs_dir / layout.step_dirname(step),
+                hint="save a later step, or pass replace=True to replace it (a save "
+                "killed midway then leaves no copy of this step)",
+            )
+        bb_step = self.bb_dir / layout.step_dirname(step)
+        self._drop_copies(step, bb_step, f"{call}: replacing the old copy")
+        if self.topo.is_leader:
+            bb_step.mkdir(parents=True, exist_ok=True)  # if trimmed meanwhile
 
     def _withdraw(self, step: int, step_dir: Path) -> None:
         """Collective: undo a save of ``step`` that failed on some rank while the nodes
         wrote into ``step_dir`` or recorded their files: the step is as if never saved."""
-        with agreed(self.comm, f"checkpoint {self.name} step {step}: withdrawing the failed save"):
-            self._drop_copies(step, step_dir)
-            if self.topo.is_leader:
-                with contextlib.suppress(OSError):
-                    step_dir.rmdir()
-
-    def _drop_copies(self, step: int, step_dir: Path) -> None:
-        """Rank 0 uncommits ``step`` on the PFS (manifest, a damaged save's marker, then every
-        node's record); each node leader drops its node's record (first: a task without
-        one is never drained), its queued task, and its file and temporary file in
-        ``step_dir``."""
-        if self.rank == 0:
-            pfs_step = self.pfs_dir / layout.step_dirname(step)
-            drain.manifest_path(pfs_step).unlink(missing_ok=True)
-            drain.damaged_on_pfs(pfs_step).unlink(missing_ok=True)
-            for n in range(self.nodes):
-                (pfs_step / layout.node_record_name(n)).unlink(missing_ok=True)
+        self._drop_copies(step, step_dir, f"checkpoint {self.name} step {step}: withdrawing")
         if self.topo.is_leader:
-            with drain.records_locked(self.journal):  # not while a drain records this step
-                record, node_file = (step_dir / name for name in layout.node_copy_names(self.node))
-                task = drain.task_path(self.journal, step)  # after the record: see _record
-                for path in (record, task, node_file, files.temp_path(node_file)):
-                    path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                step_dir.rmdir()
+
+    def _drop_copies(self, step: int, step_dir: Path, call: str) -> None:
+        """Collective: each node leader drops its node's record (first: a task without one
+        is never drained, and its drain publishes no record of it after), its queued
+        task, and its file and temporary file in ``step_dir``; then rank 0 uncommits
+        ``step`` on the PFS (:func:`drain.uncommit`: manifest, a damaged save's marker,
+        every node's record, under the step's commit lock)."""
+        with agreed(self.comm, f"{call}: dropping the burst-buffer copies"):
+            if self.topo.is_leader:
+                with drain.records_locked(self.journal):  # not while a drain records this step
+                    record, node_file = (
+                        step_dir / name for name in layout.node_copy_names(self.node)
+                    )
+                    task = drain.task_path(self.journal, step)  # after the record: see _record
+                    for path in (record, task, node_file, files.temp_path(node_file)):
+                        path.unlink(missing_ok=True)
+        with agreed(self.comm, f"{call}: uncommitting it on the PFS"):
+            if self.rank == 0:
+                drain.uncommit(self.pfs_dir / layout.step_dirname(step), self.nodes)
 
     def _claim_spare(self, key: str | None, target: Path) -> bool:
         """A node leader: move the node's spare of layout ``key`` to ``target`` (True), or
@@ -563,14 +604,17 @@ class Checkpointer:
         """Collective: does any node still have checkpoints to drain?  A node leader whose
         queue holds tasks that no drain holds starts one (the last one died): else a
         blocking or skipping save, or ``close``, would wait for ever."""
-        mine = bool(drain.pending(self.journal)) if self.topo.is_leader else False
-        own_alive = self._drain is not None and self._drain.poll() is None
-        if mine and not own_alive and not drain.is_draining(self.journal):
-            try:
-                self._start_drain()
-            except OSError as exc:  # the next look tries again; no rank is left waiting
-                log.warning("checkpoint %s: cannot start a drain: %s", self.name, exc)
-        return bool(self.comm.allreduce(mine, op=_lor()))
+        queued = np.zeros(1, np.int64)  # nodes with tasks, summed by the agreement
+        with agreed(self.comm, f"checkpoint {self.name}: looking at the drains' queues", queued):
+            mine = bool(drain.pending(self.journal)) if self.topo.is_leader else False
+            own_alive = self._drain is not None and self._drain.poll() is None
+            if mine and not own_alive and not drain.is_draining(self.journal):
+                try:
+                    self._start_drain()
+                except OSError as exc:  # the next look tries again; no rank is left waiting
+                    log.warning("checkpoint %s: cannot start a drain: %s", self.name, exc)
+            queued[0] = int(mine)
+        return bool(queued[0])
 
     def _check_newest(self, step: int) -> None:
         """Raise :class:`UsageError` if a later step than ``step`` is committed on the PFS,
@@ -690,6 +734,8 @@ class Checkpointer:
         :class:`UsageError` on every rank instead.
         """
         self._check_open()
+        if isinstance(step, numbers.Integral) and not isinstance(step, bool):
+            step = int(step)  # NumPy's steps equal to Python's
         same_arguments(  # each rank's want and from_rank may differ, not whether it gives one
             self.comm,
             f"checkpoint {self.name}: restore",
@@ -878,7 +924,8 @@ class Checkpointer:
             return
         if wait:  # a rank in another call (say save) raises here, and nothing is closed
             same_arguments(self.comm, f"checkpoint {self.name}: close", {})  # each its timeout
-            timeout = seconds_argument("close: timeout", timeout)
+            with agreed(self.comm, f"checkpoint {self.name}: close"):
+                timeout = seconds_argument("close: timeout", timeout)
         drained = False
         try:
             if wait:

@@ -81,7 +81,7 @@ from typing import Any
 from bbio import _native
 from bbio.checkpoint import layout
 from bbio.checkpoint.globalview import describe_node_file, global_view, merge_descriptions
-from bbio.errors import BBIOError, IntegrityError, from_oserror
+from bbio.errors import BBIOError, BBIOTimeoutError, IntegrityError, from_oserror
 from bbio.transfer import files
 
 JOURNAL = ".journal"
@@ -797,6 +797,7 @@ def try_commit(
     known: dict[int, dict[str, Any] | None] | None = None,
     on_commit: Callable[[], object] = lambda: None,
     patience: float = COMMIT_PATIENCE_SECONDS,
+    known_current: Callable[[], bool] = lambda: True,
 ) -> bool:
     """Commit the checkpoint in ``step_dir`` if every node's file of one save is there.
 
@@ -813,7 +814,12 @@ def try_commit(
     on for up to ``patience`` seconds: that one commits (then so is this save),
     gives the lock up, or dies and leaves it stale (see :func:`_lock_is_stale`),
     and then this call looks at the records again and commits; False if the lock
-    is still held at ``patience``.
+    is still held at ``patience``.  Under the lock, while ``global.h5`` and the
+    manifest are written, the records read on the PFS are read again, and
+    ``known_current`` says whether the ``known`` ones are still of the save: a
+    save of the step made again uncommits it under the same lock
+    (:func:`uncommit`), and the manifest of the older save is then never renamed
+    into place (False).
     """
     known = known or {}
     deadline = time.monotonic() + patience
@@ -845,12 +851,26 @@ def try_commit(
             return False
         time.sleep(pause)  # until the lock's owner commits, lets it go, or is found dead
         pause = min(pause * 2, 1.0)
+
+    def records_unchanged() -> bool:
+        for n in range(nodes):
+            if n in known:
+                continue
+            try:
+                now = files.read_json(step_dir / layout.node_record_name(n))
+            except IntegrityError:
+                return False
+            if now is None or now.get("time") != save:
+                return False
+        return known_current()
+
     try:
-        _write_view_then_manifest(step_dir, view, manifest, save)
-        on_commit()
+        committed = _write_view_then_manifest(step_dir, view, manifest, save, records_unchanged)
+        if committed:
+            on_commit()
     finally:
         lock.unlink(missing_ok=True)
-    return True
+    return committed
 
 
 def _commit_documents(
@@ -884,17 +904,23 @@ def _commit_documents(
 
 
 def _write_view_then_manifest(
-    step_dir: Path, view: bytes, manifest: dict[str, Any], save: float | None
-) -> None:
+    step_dir: Path,
+    view: bytes,
+    manifest: dict[str, Any],
+    save: float | None,
+    records_unchanged: Callable[[], bool],
+) -> bool:
     """Under the commit lock: write ``global.h5`` and the manifest durably at once, the
     manifest under a temporary name of its own (a committer that took a lock judged
     stale never shares it), ``global.h5`` at its final name if no file is there (it
     counts for nothing without a manifest), else under a temporary name of its own;
     fsync the checkpointer's directory (the step's entry in it), and meanwhile read the
-    manifest in place.  Unless that one is of this ``save`` already (then the new files
-    are dropped), remove it (of an older save, or damaged), rename ``global.h5`` if it
-    is not in place, fsync the step's directory (in the writing thread for one made in
-    place), and rename the manifest last."""
+    manifest in place and check ``records_unchanged``.  Unless that one is of this
+    ``save`` already (then the new files are dropped: True), or the records changed
+    (the step was uncommitted to be saved again: the new files are dropped, False),
+    remove it (of an older save, or damaged), rename ``global.h5`` if it is not in
+    place, fsync the step's directory (in the writing thread for one made in place),
+    and rename the manifest last: True."""
     document = json.dumps(manifest, separators=(",", ":")).encode()
     view_temp = files.unique_temp_path(step_dir / GLOBAL_VIEW)
     manifest_temp = files.unique_temp_path(manifest_path(step_dir))
@@ -904,13 +930,17 @@ def _write_view_then_manifest(
             manifest_write = pool.submit(_write_with_entry, manifest_temp, document, step_dir)
             try:
                 in_place, current = _manifest_in_place(step_dir)
+                unchanged = records_unchanged()
             finally:
                 futures.wait([view_write, manifest_write])
             made_in_place = view_write.result()
             manifest_write.result()
         if current is not None and current.get("time") == save:
             _discard(view_temp, manifest_temp)  # committed before, by a committer now gone
-            return
+            return True
+        if not unchanged:
+            _discard(view_temp, manifest_temp)
+            return False
         if in_place:
             manifest_path(step_dir).unlink(missing_ok=True)
         if not made_in_place:
@@ -919,6 +949,7 @@ def _write_view_then_manifest(
     except BaseException:
         _discard(view_temp, manifest_temp)
         raise
+    return True
 
 
 def _write_view(step_dir: Path, view: bytes, temp: Path) -> bool:
@@ -957,6 +988,36 @@ def committed_save(step_dir: Path, save: float | None = None) -> bool:
     collective."""
     manifest = _sound_manifest(step_dir)
     return manifest is not None and (save is None or manifest.get("time") == save)
+
+
+def uncommit(step_dir: Path, nodes: int, patience: float = COMMIT_PATIENCE_SECONDS) -> None:
+    """Uncommit the step in ``step_dir`` for a save of it made again: remove its manifest, a
+    damaged save's marker and ``nodes`` nodes' records, under its commit lock, so that no
+    commit of the older save lands after (:func:`try_commit` reads the records again
+    under the lock).  A lock a live committer holds is waited on for up to
+    ``patience`` seconds.  Not collective."""
+    if not step_dir.is_dir():
+        return
+    deadline = time.monotonic() + patience
+    pause = 0.005
+    while (lock := _take_commit_lock(step_dir)) is None:
+        if time.monotonic() + pause > deadline:
+            raise BBIOTimeoutError(
+                f"cannot replace the checkpoint: another process held its commit lock for "
+                f"{patience:.0f} s",
+                path=step_dir / COMMIT_LOCK,
+                hint="see which host and process the lock names ('readlink' it); once "
+                "that one is gone, save the step again",
+            )
+        time.sleep(pause)
+        pause = min(pause * 2, 1.0)
+    try:
+        manifest_path(step_dir).unlink(missing_ok=True)
+        damaged_on_pfs(step_dir).unlink(missing_ok=True)
+        for n in range(nodes):
+            (step_dir / layout.node_record_name(n)).unlink(missing_ok=True)
+    finally:
+        lock.unlink(missing_ok=True)
 
 
 def _sound_manifest(step_dir: Path) -> dict[str, Any] | None:
@@ -1310,6 +1371,7 @@ def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -
             {task.node: copying.pfs_record},
             on_commit=lambda: commits.settle(task, True),  # the waiting ranks learn of it now
             patience=0.0,  # a lock taken: its owner commits (or, gone, the looks take over)
+            known_current=lambda: _still_saved(task),
         )
 
     try:
@@ -1326,6 +1388,16 @@ def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -
         files.forget_cached_pages(task.target)  # once the waiting ranks know: off their path
         apply_pfs_retention(Path(task.pfs_step_dir).parent, task.keep_pfs)
     return _trim_after(journal, task)
+
+
+def _still_saved(task: Task) -> bool:
+    """Is ``task``'s save still the one its node's burst buffer records (not dropped, to be
+    saved again)?  Not collective."""
+    try:
+        now = files.read_json(task.bb_record)
+    except IntegrityError:
+        return False
+    return now is not None and task.is_save_of(now)
 
 
 def _not_copied(journal: Path, task: Task) -> None:
