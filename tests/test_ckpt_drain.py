@@ -337,6 +337,38 @@ def test_a_copy_goes_to_the_final_name_when_free_else_under_its_temporary_name(t
         restore.verify_file(task.target.parent / entry["path"], entry["size"], entry["crc32c"])
 
 
+def test_a_copy_under_its_temporary_name_is_renamed_while_the_records_are_locked(
+    tmp_path, monkeypatch
+):
+    """The rename over a file already at the node file's name happens under the node's
+    records lock, after the BB record is checked: a save that drops the record (under
+    the same lock) before it writes the step again, straight to the PFS, is never
+    overwritten by the older save's copy."""
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    (task,) = drain.pending(j0)
+    task.target.parent.mkdir(parents=True)
+    task.target.write_bytes(b"a file another process left there")
+    held = []
+    rename_sealed = files.rename_sealed
+
+    def watched(finals):
+        fd = os.open(j0 / drain.RECORDS_LOCK, os.O_RDWR)
+        try:  # a lock of another open file description: refused while the drain holds it
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held.append(False)
+        except BlockingIOError:
+            held.append(True)
+        finally:
+            os.close(fd)
+        rename_sealed(finals)
+
+    monkeypatch.setattr(files, "rename_sealed", watched)
+    copying = drain.start_copy(task)
+    assert copying.written == files.temp_path(task.target)
+    assert copying.finish(j0, publish=False) is not None
+    assert held == [True]
+
+
 def test_a_copy_given_up_leaves_a_file_renamed_over_its_own_in_place(tmp_path):
     """What a given-up copy made at the final name is deleted only while the name is still
     that file's: a file renamed there since (a direct save's) stays."""

@@ -592,7 +592,7 @@ class NodeCopy:
         if self.drained is not None:
             return self.drained
         try:
-            record = self._seal()
+            record = self._seal(journal)
         except BaseException:
             self.abandon()
             raise
@@ -610,7 +610,7 @@ class NodeCopy:
             self.publish()
         return record
 
-    def _seal(self) -> dict[str, Any] | None:
+    def _seal(self, journal: Path) -> dict[str, Any] | None:
         task, copied = self.task, self.copied
         assert copied is not None and self.described is not None, "finish() before copy()"
         recording = self.pool.submit(_prepare_record, task, copied, self.described)
@@ -639,11 +639,14 @@ class NodeCopy:
                 path=self.written,
                 hint="the PFS may be failing; the drain will copy it again",
             )
-        now = files.read_json(self.task.bb_record)
-        if not task.is_save_of(contents) or now is None or not task.is_save_of(now):
-            return None  # saved again during the copy: never renamed over the new save's file
-        if self.written != task.target:  # the commit fsyncs the directory before its manifest
-            files.rename_sealed([task.target])
+        renaming = self.written != task.target
+        # a save drops the BB record under the lock before it writes: never renamed after
+        with records_locked(journal) if renaming else contextlib.nullcontext():
+            now = files.read_json(self.task.bb_record)
+            if not task.is_save_of(contents) or now is None or not task.is_save_of(now):
+                return None  # saved again during the copy: never renamed over the new file
+            if renaming:  # the commit fsyncs the directory before its manifest
+                files.rename_sealed([task.target])
         self.pfs_record = {**record, "contents": contents}
         return record
 
