@@ -404,7 +404,10 @@ def test_resaving_a_step_replaces_it(comm, shared_tmp):
         refused_resave(comm, ckpt, 4, "in every node's burst buffer")
         step, arrays, _ = ckpt.restore()  # the refused save dropped nothing
         assert step == 4 and same(arrays, state(4, rank)) and ckpt.last_restore_tier == "bb"
-        ckpt.save(4, state(40, rank), replace=True).wait(timeout=60)
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.save(4, state(40, rank), replace="yes")
+        assert "replace must be True or False, not 'yes'" in str(info.value)
+        ckpt.save(4, state(40, rank), replace=np.bool_(True)).wait(timeout=60)
         step, arrays, _ = ckpt.restore()
         assert step == 4 and same(arrays, state(40, rank))
         comm.Barrier()

@@ -12,6 +12,7 @@ import bbio
 from bbio.checkpoint import layout
 from bbio.checkpoint.writer import describe, global_shapes
 from tests.test_checkpoint import config_for
+from tests.test_checkpoint_usage import same_everywhere
 
 
 def specs(*shards: bbio.Shard) -> list[dict[str, dict]]:
@@ -85,12 +86,6 @@ def test_gaps_are_refused_but_not_replicas_empty_shards_scalars_or_empty_arrays(
     assert global_shapes(scalar, layout.GLOBAL) == {"w": []}
     flat = specs(bbio.Shard(np.zeros((0, 4)), (0, 0), (0, 4)))  # no element to cover
     assert global_shapes(flat, layout.GLOBAL) == {"w": [0, 4]}
-
-
-def same_everywhere(comm, error: BaseException) -> str:
-    message = str(error)
-    assert comm.allgather(message) == [message] * comm.Get_size()
-    return message
 
 
 @pytest.mark.mpi(min_size=2)

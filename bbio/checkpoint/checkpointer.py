@@ -290,6 +290,7 @@ class Checkpointer:
         comm = self.comm
         integral = isinstance(step, numbers.Integral) and not isinstance(step, bool)
         step = int(step) if integral else step
+        replace = bool(replace) if isinstance(replace, (bool, np.bool_)) else replace
         made_step_dir = False
 
         def check() -> _SaveCheck:
