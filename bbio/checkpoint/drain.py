@@ -601,8 +601,7 @@ class NodeCopy:
             return None
         self.pool.shutdown()
         with records_locked(journal):
-            now = files.read_json(self.task.bb_record)
-            if now is None or not self.task.is_save_of(now):
+            if not _still_saved(self.task):
                 return None  # saved again during the renames: the new save's record stays
             drained = {**self.bb_record, **record, "complete": True}
             files.write_json_atomic(self.task.bb_record, drained)
@@ -621,8 +620,7 @@ class NodeCopy:
         try:
             record, contents = recording.result()
         except (OSError, KeyError, ValueError, TypeError, IntegrityError) as exc:
-            now = files.read_json(self.task.bb_record)
-            if now is None or not task.is_save_of(now) or not task.source.exists():
+            if not _still_saved(task) or not task.source.exists():
                 return None  # saved again or dropped meanwhile: not this save's file
             if isinstance(exc, OSError) and exc.errno is not None:
                 raise  # an I/O error of the device: tried again
@@ -642,8 +640,7 @@ class NodeCopy:
         renaming = self.written != task.target
         # a save drops the BB record under the lock before it writes: never renamed after
         with records_locked(journal) if renaming else contextlib.nullcontext():
-            now = files.read_json(self.task.bb_record)
-            if not task.is_save_of(contents) or now is None or not task.is_save_of(now):
+            if not task.is_save_of(contents) or not _still_saved(task):
                 return None  # saved again during the copy: never renamed over the new file
             if renaming:  # the commit fsyncs the directory before its manifest
                 files.rename_sealed([task.target])
@@ -691,8 +688,7 @@ def _publish(task: Task) -> bool:
     returned.  Under :func:`records_locked`, which a save holds while it drops the
     step's BB record, before anything of the new save is written.  Not collective."""
     with records_locked(journal_dir(Path(task.bb_step_dir).parent)):
-        now = files.read_json(task.bb_record)
-        if now is not None and task.is_save_of(now):
+        if _still_saved(task):
             files.rename_sealed([task.pfs_record])
             return True
     _discard(files.temp_path(task.pfs_record))
@@ -1395,11 +1391,8 @@ def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -
 
 def _still_saved(task: Task) -> bool:
     """Is ``task``'s save still the one its node's burst buffer records (not dropped, to be
-    saved again)?  Not collective."""
-    try:
-        now = files.read_json(task.bb_record)
-    except IntegrityError:
-        return False
+    saved again, nor replaced by a new save's record)?  Not collective."""
+    now = files.read_json(task.bb_record)
     return now is not None and task.is_save_of(now)
 
 
