@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from bbio.errors import ConfigError
+from bbio.errors import ConfigError, UsageError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -165,7 +165,10 @@ class Config:
         return max(1, -(-self.stage_files_in_flight // max(1, node_ranks)))
 
     def expand(self, template: str | os.PathLike, node: int | None = None) -> Path:
-        """``template`` with {job}, {user} and (given a node) {node} replaced."""
+        """``template`` with {job}, {user} and (given a node) {node} replaced.  Raises
+        :class:`UsageError` for a node that is not an index (an int of at least 0)."""
+        if node is not None and (isinstance(node, bool) or not isinstance(node, int) or node < 0):
+            raise UsageError(f"node must be a node index (an integer of at least 0), not {node!r}")
         return Path(self._expand(os.fspath(template), node=node))
 
     def node_dir(self, template: str | os.PathLike, node: int, nodes_on_host: int) -> Path:

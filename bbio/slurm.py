@@ -25,6 +25,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from bbio.arguments import seconds_argument
 from bbio.checkpoint import admin, drain, layout
 from bbio.config import Config
 from bbio.errors import ConfigError, from_oserror
@@ -171,7 +172,9 @@ class Epilog:
 
 def epilog(config: Config, job: Job, timeout: float | None) -> Epilog:
     """Drain what is queued under the job's directory on this host, as the job's user,
-    then remove the directory if nothing failed.  Not collective."""
+    then remove the directory if nothing failed.  Not collective.  Raises
+    :class:`UsageError` for a negative or NaN ``timeout``."""
+    timeout = seconds_argument("epilog: timeout", timeout)
     path = job_dir(job_config(config, job))
     if not path.exists():
         return Epilog(path, [], False)

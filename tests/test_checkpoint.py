@@ -21,6 +21,7 @@ import pytest
 
 import bbio
 from bbio.checkpoint import admin, drain, layout
+from bbio.checkpoint import restore as reader
 from bbio.config import Config
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -103,10 +104,17 @@ def test_node_files_are_plain_hdf5_with_each_arrays_crc(comm, shared_tmp):
         "complex": np.full((3, 5), 1 + 2j * rank, dtype=np.complex64),
         "names": np.array([b"alpha", f"rank{rank}".encode()], dtype="S8"),
         "scalar": np.int16(-rank),
+        "big_endian_scalar": np.array(7 + rank, dtype=">i8"),
+        "padded_bytes_scalar": np.array(b"ab", dtype="S4"),  # read as b"ab" by [()]
         "empty": np.zeros(0, dtype=np.uint32),
     }
     with bbio.Checkpointer(comm, "plain", config=config_for(comm, shared_tmp)) as ckpt:
         ckpt.save(7, arrays).wait(timeout=60)
+        _, restored, _ = ckpt.restore()  # each dataset's CRC32C over the bytes saved
+        assert same(restored, arrays)
+        assert {k: v.dtype for k, v in restored.items()} == {
+            k: np.asarray(v).dtype for k, v in arrays.items()
+        }
     node_file = (
         shared_tmp / "bb" / str(node_of(comm)) / "ckpt" / "plain" / layout.step_dirname(7)
     ) / layout.node_filename(node_of(comm))
@@ -114,7 +122,7 @@ def test_node_files_are_plain_hdf5_with_each_arrays_crc(comm, shared_tmp):
         crcs = json.loads(f.attrs["crc32c"])
         for key, value in arrays.items():
             name = layout.rank_dataset(key, rank)
-            stored = f[name][()]
+            stored = f[name][...]
             assert stored.dtype == value.dtype and stored.shape == np.shape(value), key
             assert np.array_equal(stored, value), key
             raw = np.ascontiguousarray(value).tobytes()
@@ -173,6 +181,7 @@ def test_a_corrupt_burst_buffer_copy_is_skipped_for_the_pfs_copy(comm, shared_tm
         assert step == 5 and same(arrays, state(5, rank, rows=20000))
         if rank == 0:
             assert "(bb) skipped" in caplog.text and "node-00001.h5" in caplog.text
+            assert "restored step 5 from its PFS copy instead" in caplog.text
         # the HDF5 signature zeroed: the warning still names the file (before: only
         # h5py's "file signature not found")
         ckpt.save(6, state(6, rank, rows=20000)).wait(timeout=60)
@@ -262,7 +271,6 @@ def test_a_rank_failing_while_writing_fails_the_save_on_every_rank(comm, shared_
 
 
 def test_backpressure_skip_and_block(comm, shared_tmp):
-    rank = comm.Get_rank()
     config = config_for(comm, shared_tmp)
     big = {"x": np.ones(4 << 20, dtype=np.uint8)}
     with bbio.Checkpointer(comm, "s", backpressure="skip", config=config) as ckpt:
@@ -278,7 +286,67 @@ def test_backpressure_skip_and_block(comm, shared_tmp):
         ckpt.save(1, big)
         ckpt.save(2, big)  # waits for step 1 to drain first
         assert (shared_tmp / "pfs" / "ckpt" / "b" / "step-00000001" / "manifest.json").exists()
-    assert rank >= 0
+
+
+def stop_idle_drains(comm, ckpt) -> list[int]:
+    """Collective: stop (SIGSTOP) every node's drain once its queue is empty, and never
+    while it holds the records' lock, which a save takes; their pids."""
+    if leader(comm):
+        deadline = time.monotonic() + 60
+        while drain.pending(ckpt.journal) and time.monotonic() < deadline:
+            time.sleep(0.01)  # a wait returns once the commit is told, before the task goes
+        with drain.records_locked(ckpt.journal):
+            os.kill(ckpt._drain.pid, signal.SIGSTOP)
+    comm.Barrier()
+    return [pid for pid in comm.allgather(ckpt._drain.pid if leader(comm) else None) if pid]
+
+
+def test_a_restore_lists_again_when_retention_removes_the_step_it_reads(
+    comm, shared_tmp, monkeypatch
+):
+    """keep_pfs=1: step 2 is committed, and step 1 retired, while a restore verifies
+    step 1.  Before, the restore raised NotFoundError although step 2 was committed."""
+    rank = comm.Get_rank()
+    config = config_for(comm, shared_tmp)
+    step_1 = shared_tmp / "pfs" / "ckpt" / "race" / layout.step_dirname(1)
+    verify_file = reader.verify_file
+
+    def once_step_1_is_retired(*args):
+        for pid in drains:  # the drains commit step 2 now, and retire step 1
+            os.kill(pid, signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while step_1.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        verify_file(*args)
+
+    with bbio.Checkpointer(comm, "race", keep_pfs=1, config=config) as ckpt:
+        ckpt.save(1, state(1, rank)).wait(timeout=60)
+        drains = stop_idle_drains(comm, ckpt)
+        ckpt.save(2, state(2, rank))  # queued: only in the burst buffers when restore lists
+        monkeypatch.setattr(reader, "verify_file", once_step_1_is_retired)
+        try:
+            step, arrays, _ = ckpt.restore(from_rank=rank)  # reads the PFS copies
+        finally:
+            for pid in drains:
+                os.kill(pid, signal.SIGCONT)
+        assert step == 2 and same(arrays, state(2, rank)) and not step_1.exists()
+
+
+def test_a_resave_is_refused_also_when_the_save_would_be_skipped(comm, shared_tmp):
+    """Before, ``backpressure="skip"`` skipped such a save while earlier ones drained
+    instead of raising the UsageError a queued save raises."""
+    rank = comm.Get_rank()
+    config = config_for(comm, shared_tmp)
+    with bbio.Checkpointer(comm, "sk", backpressure="skip", config=config) as ckpt:
+        ckpt.save(1, state(1, rank)).wait(timeout=60)
+        drains = stop_idle_drains(comm, ckpt)  # step 2 stays queued: later saves are skipped
+        try:
+            assert not ckpt.save(2, state(2, rank)).skipped  # nothing was draining
+            refused_resave(comm, ckpt, 2, "in every node's burst buffer")
+            assert ckpt.save(3, state(3, rank)).skipped
+        finally:
+            for pid in drains:
+                os.kill(pid, signal.SIGCONT)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting small file systems needs root")

@@ -274,6 +274,9 @@ def test_steps_are_integers_after_the_newest_and_attrs_are_json(comm, shared_tmp
             with pytest.raises(bbio.UsageError) as info:
                 ckpt.save(bad, state(6, rank))
             assert "checkpoint steps are integers" in same_everywhere(comm, info.value)
+        with pytest.raises(bbio.UsageError) as info:  # before: HDF5's error, as a CollectiveError
+            ckpt.save(2**64, state(6, rank))
+        assert "from 0 to 2**64 - 1, got 18446744073709551616" in same_everywhere(comm, info.value)
         with pytest.raises(bbio.UsageError) as info:
             ckpt.save(6, state(6, rank), attrs={"lr": np.float32(0.1)})
         assert "the attrs of checkpoint 6 are not JSON" in same_everywhere(comm, info.value)

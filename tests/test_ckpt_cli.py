@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import textwrap
 import time
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import run_mpi, run_python
+from tests.test_ckpt_drain import sound_manifest
 
 JOB = textwrap.dedent(
     """
@@ -119,13 +121,24 @@ def test_ls_verify_wait_from_a_shell(tmp_path, job):
     assert str(node_file) in broken.stderr and "Traceback" not in broken.stderr
 
 
-def test_one_damaged_manifest_or_record_is_named_and_passed_over(tmp_path, job):
+def _without(path: Path, key: str) -> str:
+    document = json.loads(path.read_text())
+    del document[key]
+    return json.dumps(document)
+
+
+@pytest.mark.parametrize("damage", ["not JSON", "a field missing"])
+def test_one_damaged_manifest_or_record_is_named_and_passed_over(tmp_path, job, damage):
     saved = run_mpi(4, str(job), str(tmp_path), "save")
     assert saved.returncode == 0, saved.stdout + saved.stderr
     manifest = tmp_path / "pfs" / "ckpt" / "run" / "step-00000001" / "manifest.json"
-    manifest.write_text("{garbage")
     record = tmp_path / "bb" / "1" / "ckpt" / "run" / "step-00000002" / "node-00001.json"
-    record.write_text("")
+    if damage == "not JSON":
+        manifest.write_text("{garbage")
+        record.write_text("")
+    else:  # before: a KeyError's traceback from verify
+        manifest.write_text(_without(manifest, "files"))
+        record.write_text(_without(record, "size"))
     listing = bbio_ckpt(tmp_path, "ls", node=1)
     assert listing.returncode == 0, listing.stderr
     rows = [line.split() for line in listing.stdout.splitlines() if line.startswith("run ")]
@@ -162,6 +175,50 @@ def test_drain_finish_says_what_it_drained(tmp_path, job):
         f"drained the queued checkpoint step(s) in {tmp_path / 'bb' / '0'} to the PFS (run: 1)"
     )
     assert drain.read_manifest(pfs_step) is not None
+
+
+def test_a_damaged_task_file_is_named_and_the_other_steps_are_drained(tmp_path, job):
+    """Before, a task file of the wrong fields was a TypeError's traceback in ``ls`` and
+    ``drain --finish``, and killed the drain, which then drained nothing."""
+    from bbio.checkpoint import drain, layout
+    from bbio.transfer import files
+
+    saved = run_mpi(4, str(job), str(tmp_path), "save")
+    assert saved.returncode == 0, saved.stdout + saved.stderr
+    bb, pfs = tmp_path / "bb" / "0" / "ckpt" / "run", tmp_path / "pfs" / "ckpt" / "run"
+    bb_step, pfs_step = bb / layout.step_dirname(2), pfs / layout.step_dirname(2)
+    drain.manifest_path(pfs_step).unlink()  # step 2 to drain again, as in the test above
+    record = files.read_json(bb_step / layout.node_record_name(0))
+    journal = drain.journal_dir(bb)
+    task = drain.Task("run", 2, 0, 2, str(bb_step), str(pfs_step), 5, save_time=record["time"])
+    drain.add_task(journal, task)
+    damaged = drain.task_path(journal, 1)
+    damaged.write_text(json.dumps({"name": "run", "step": 1}))
+    listing = bbio_ckpt(tmp_path, "ls")
+    assert listing.returncode == 0, listing.stderr
+    rows = [line.split() for line in listing.stdout.splitlines() if line.startswith("run ")]
+    assert rows[0][:2] == ["run", "1"] and "damaged task" in " ".join(rows[0]), rows
+    assert rows[1][:2] == ["run", "2"] and rows[1][-1] == "queued", rows
+    finished = bbio_ckpt(tmp_path, "drain", "--finish", "--timeout", "30")
+    assert finished.returncode == 1 and "Traceback" not in finished.stderr
+    assert "the drain's task file is damaged" in finished.stderr, finished.stderr
+    assert str(damaged) in finished.stderr
+    assert drain.read_manifest(pfs_step) is not None  # step 2 drained and committed all the same
+    assert (bb / layout.step_dirname(1)).is_dir()  # the damaged task's copy is kept
+    verified = bbio_ckpt(tmp_path, "verify", "run")
+    assert verified.returncode == 1 and str(damaged) in verified.stderr
+    assert "Traceback" not in verified.stderr
+
+
+@pytest.mark.parametrize("action", ["wait", "drain"])
+@pytest.mark.parametrize("timeout", ["nan", "-5"])
+def test_a_timeout_that_is_not_seconds_is_refused(tmp_path, action, timeout):
+    """Before, ``--timeout nan`` waited for ever and ``-5`` timed out at once."""
+    (tmp_path / "bb" / "0" / "ckpt" / "run").mkdir(parents=True)
+    name = ["run", "--step", "1"] if action == "wait" else ["--finish"]
+    refused = bbio_ckpt(tmp_path, action, *name, "--timeout", timeout)
+    assert refused.returncode == 1 and not refused.stdout, refused.stdout
+    assert refused.stderr.startswith(f"bbio: error: {action}: timeout must be "), refused.stderr
 
 
 def test_drain_finish_fails_on_a_burst_buffer_that_does_not_exist(tmp_path):
@@ -259,8 +316,7 @@ def test_trimming_never_deletes_a_copy_that_is_not_drained(tmp_path):
         record = {"size": 1, "crc32c": 7 if drained else None, "node": 0, "complete": True}
         files.write_json_atomic(step_dir / layout.node_record_name(0), record)
     (pfs / layout.step_dirname(9)).mkdir(parents=True)  # a newer step is committed
-    manifest = {"format": drain.MANIFEST_FORMAT, "step": 9}
-    files.write_json_atomic(drain.manifest_path(pfs / layout.step_dirname(9)), manifest)
+    files.write_json_atomic(drain.manifest_path(pfs / layout.step_dirname(9)), sound_manifest(9))
     assert drain.trim_bb(bb, 0, 1, pfs, journal) == 1  # step 2 still waits for its drain
     left = sorted(p.name for p in bb.glob("step-*"))
     assert left == [layout.step_dirname(2), layout.step_dirname(4)]

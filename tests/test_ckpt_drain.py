@@ -1027,8 +1027,7 @@ def _drained_copies(bb, pfs, spares: dict[int, dict | None]) -> None:
         files.write_json_atomic(step_dir / layout.node_record_name(0), record)
     committed = pfs / layout.step_dirname(9)
     committed.mkdir(parents=True, exist_ok=True)
-    manifest = {"format": drain.MANIFEST_FORMAT, "step": 9}
-    files.write_json_atomic(drain.manifest_path(committed), manifest)
+    files.write_json_atomic(drain.manifest_path(committed), sound_manifest(9))
 
 
 def test_trimming_keeps_one_spare_that_only_a_save_of_its_layout_claims(tmp_path):
@@ -1054,10 +1053,27 @@ def test_trimming_keeps_one_spare_that_only_a_save_of_its_layout_claims(tmp_path
     assert not (bb / layout.step_dirname(5)).exists()
 
 
+def sound_manifest(step: int, nodes: int = 1) -> dict:
+    """The smallest manifest of ``step`` that counts as committed (no files behind it)."""
+    files_listed = [layout.node_filename(n) for n in range(nodes)] + [drain.GLOBAL_VIEW]
+    return {
+        "format": drain.MANIFEST_FORMAT,
+        "step": step,
+        "time": 1.0,
+        "ranks": nodes,
+        "nodes": nodes,
+        "layout": layout.PER_RANK,
+        "rank_nodes": list(range(nodes)),
+        "global_shapes": {},
+        "attrs": {},
+        "files": [{"path": path, "size": 1, "crc32c": 7} for path in files_listed],
+    }
+
+
 def _commit_on_pfs(pfs, step: int, manifest: str | None = None) -> None:
     step_dir = pfs / layout.step_dirname(step)
     step_dir.mkdir(parents=True, exist_ok=True)
-    document = manifest or json.dumps({"format": drain.MANIFEST_FORMAT, "step": step})
+    document = manifest or json.dumps(sound_manifest(step))
     drain.manifest_path(step_dir).write_text(document)
 
 
@@ -1772,7 +1788,7 @@ def test_a_drain_killed_while_retention_deletes_leaves_no_step_behind(tmp_path, 
         step_dir = ckpt_dir / layout.step_dirname(step)
         step_dir.mkdir(parents=True)
         (step_dir / "node-00000.h5").write_bytes(b"x")
-        files.write_json_atomic(drain.manifest_path(step_dir), {"format": drain.MANIFEST_FORMAT})
+        files.write_json_atomic(drain.manifest_path(step_dir), sound_manifest(step))
     remove_tree = drain._remove_tree
 
     def killed(path):
@@ -1797,7 +1813,7 @@ def test_two_drains_applying_retention_at_once_both_succeed(tmp_path):
         for i in range(30):
             (step_dir / f"node-{i}.h5").write_bytes(b"x")
             (step_dir / "deeper" / f"{i}").write_bytes(b"y")
-        files.write_json_atomic(drain.manifest_path(step_dir), {"format": drain.MANIFEST_FORMAT})
+        files.write_json_atomic(drain.manifest_path(step_dir), sound_manifest(step))
     start = threading.Barrier(2)
     outcomes: list[BaseException | list[int]] = []
 

@@ -6,11 +6,13 @@ buffer (``bb_root``, already expanded for that node) and at the PFS.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
 from pathlib import Path
 
+from bbio.arguments import seconds_argument
 from bbio.checkpoint import drain, layout
 from bbio.checkpoint import restore as reader
 from bbio.errors import BBIOError, BBIOTimeoutError, IntegrityError, NotFoundError
@@ -25,7 +27,7 @@ class Row:
     step: int
     bb: str  # this node's copy: "complete", "complete, not the committed save" or "-"
     pfs: str  # as in :func:`bbio.checkpoint.checkpointer.describe_pfs`, or "-"
-    queue: str  # this node's drain journal: "queued", "set aside" (damaged) or "-"
+    queue: str  # this node's drain journal: "queued", "set aside" (damaged), "damaged task" or "-"
 
 
 def names(bb_root: Path, pfs_root: Path) -> list[str]:
@@ -79,7 +81,9 @@ def list_checkpoints(
         pfs, committed = describe_pfs(pfs_dir)
         journal = drain.journal_dir(bb_dir)
         queue = {step: "set aside" for step in drain.set_aside(journal)}
-        queue.update((t.step, "queued") for t in drain.pending(journal))
+        tasks, damaged = drain.read_queue(journal)
+        queue.update((t.step, "queued") for t in tasks)
+        queue.update((step, "damaged task") for step in damaged)
         for step in sorted(set(local) | set(pfs) | set(queue)):
             bb = "-"
             if step in local:  # an older save of a step saved again since is not restored
@@ -126,6 +130,7 @@ def verify(bb_root: Path, pfs_root: Path, node: int | None = None, name: str | N
                     problems.append(str(exc))
         bb_dir = bb_root / layout.CKPT_DIR / n
         problems += [str(exc) for exc in reader.damaged_bb_records(bb_dir, node)]
+        problems += [str(exc) for exc in drain.read_queue(drain.journal_dir(bb_dir))[1].values()]
         problems += _set_aside_here(bb_dir, node)
         for step, record in sorted(reader.bb_copies(bb_dir, node).items()):
             if record.get("crc32c") is None:
@@ -184,8 +189,9 @@ def finish(bb_root: Path, timeout: float | None) -> Drained:
     failures until ``timeout``.  Then commits any checkpoint whose node files
     are all on the PFS but whose committer died.  Raises :class:`NotFoundError`
     when ``bb_root`` is not a directory (a typo there must not pass for a node
-    with nothing queued).
+    with nothing queued), :class:`UsageError` for a negative or NaN ``timeout``.
     """
+    timeout = seconds_argument("drain: timeout", timeout)
     if not bb_root.is_dir():
         raise NotFoundError(
             f"no burst-buffer directory {bb_root}: nothing to drain there",
@@ -193,7 +199,10 @@ def finish(bb_root: Path, timeout: float | None) -> Drained:
             hint="check --bb-root and --node (default: BBIO_BB_ROOT)",
         )
     journals = list(drain.journals(bb_root))
-    queued = {journal.parent.name: len(drain.pending(journal)) for journal in journals}
+    queued = {}
+    for journal in journals:  # a damaged task file counts: it is said when its journal drains
+        tasks, damaged = drain.read_queue(journal)
+        queued[journal.parent.name] = len(tasks) + len(damaged)
     return Drained(bb_root, queued, finish_journals(journals, timeout))
 
 
@@ -232,7 +241,9 @@ def wait_committed(
     node while a later one is committed (retention removed it, or it was never
     saved: it will not come); :class:`BBIOTimeoutError` at ``timeout``.  A
     damaged manifest counts as not committed yet (a drain replaces it).
+    :class:`UsageError` for a negative or NaN ``timeout``.
     """
+    timeout = seconds_argument("wait: timeout", timeout)
     _names_to_look_at(bb_root, pfs_root, name)
     step_dir = pfs_root / layout.CKPT_DIR / name / layout.step_dirname(step)
     queued_here = drain.task_path(drain.journal_dir(bb_root / layout.CKPT_DIR / name), step)
@@ -256,8 +267,12 @@ def wait_committed(
                 hint=f"wait for step {later[-1]}, or look with 'bbio ckpt ls {name}'",
             )
         if deadline is not None and time.monotonic() > deadline:
+            reported = None
+            with contextlib.suppress(BBIOError):  # what the drain said is a help, not a need
+                reported = drain.read_status(queued_here.parent).get("error")
             raise BBIOTimeoutError(
-                f"checkpoint {name} step {step} is not committed after {timeout:.0f} s",
+                f"checkpoint {name} step {step} is not committed after {timeout:.0f} s; this "
+                f"node's drain reports: {reported or 'no error'}",
                 path=step_dir,
                 hint="is a drain running? 'bbio ckpt drain --finish' runs one",
             )

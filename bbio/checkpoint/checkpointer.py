@@ -50,6 +50,7 @@ log = logging.getLogger("bbio")
 FILE_OVERHEAD_BYTES = 1 << 20  # HDF5 metadata, per node file, generously ...
 DATASET_OVERHEAD_BYTES = 4 << 10  # ... and per dataset (about 1.4 KiB each when new)
 MAX_WAIT_POLL_SECONDS = 0.01  # the BB journal is asked: cheap; the PFS only with no drain running
+RESTORE_LISTINGS = 3  # a restore lists again when every copy failed: one may have been retired
 TOLD_WAIT_POLL_SECONDS = 0.1  # the drain tells of each new status: asked anyway this often
 
 
@@ -367,10 +368,13 @@ class Checkpointer:
             self.nodes,
             save_time=when,
         )
+        saved_before = step in self._pfs_steps or any(theirs.old_copy for theirs in checked)
+        if saved_before and not replace:  # refused before a skip or a wait, and after them
+            self._refuse_if_complete(step, checked)
         if self._wait_for_room(handle):
             self._drop_unused_bb_step_dir(step)
             return dataclasses.replace(handle, skipped=True)
-        need = [FILE_OVERHEAD_BYTES] * self.nodes
+        need = [FILE_OVERHEAD_BYTES + len(checked[0].user_attrs)] * self.nodes  # attrs: once
         free: dict[int, int] = {}
         for theirs in checked:
             need[theirs.node] += sum(
@@ -378,7 +382,7 @@ class Checkpointer:
             )
             if theirs.free is not None:
                 free[theirs.node] = theirs.free
-        if step in self._pfs_steps or any(theirs.old_copy for theirs in checked):
+        if saved_before:
             self._replace(step, checked, replace)  # its old copies go before any node writes
         self._pfs_steps.add(step)
         self._ordered_steps.add(step)
@@ -489,6 +493,18 @@ class Checkpointer:
         uncommits the step on the PFS (:func:`drain.uncommit`).
         """
         call = f"checkpoint {self.name} step {step}"
+        if not replace:
+            self._refuse_if_complete(step, checked)
+        bb_step = self.bb_dir / layout.step_dirname(step)
+        self._drop_copies(step, bb_step, f"{call}: replacing the old copy")
+        if self.topo.is_leader:
+            bb_step.mkdir(parents=True, exist_ok=True)  # if trimmed meanwhile
+
+    def _refuse_if_complete(self, step: int, checked: Sequence[_SaveCheck]) -> None:
+        """Collective: raise the same :class:`UsageError` on every rank if ``step`` has a
+        complete copy (in every node's burst buffer, of one save, or committed on the
+        PFS), which a save of it without ``replace`` must not drop."""
+        call = f"checkpoint {self.name} step {step}"
         saves = {theirs.node: theirs.old_save for theirs in checked if theirs.old_save is not None}
         on_every_node = len(saves) == self.nodes and len(set(saves.values())) == 1
         where = "in every node's burst buffer" if on_every_node else None
@@ -498,7 +514,7 @@ class Checkpointer:
                 if self.rank == 0:
                     committed = drain.committed_save(self.pfs_dir / layout.step_dirname(step))
             where = "committed on the PFS" if self.comm.bcast(committed, root=0) else None
-        if where is not None and not replace:
+        if where is not None:
             self._drop_unused_bb_step_dir(step)
             raise UsageError(
                 f"{call} is already saved ({where}): saving it again would drop that "
@@ -507,10 +523,6 @@ class Checkpointer:
                 hint="save a later step, or pass replace=True to replace it (a save "
                 "killed midway then leaves no copy of this step)",
             )
-        bb_step = self.bb_dir / layout.step_dirname(step)
-        self._drop_copies(step, bb_step, f"{call}: replacing the old copy")
-        if self.topo.is_leader:
-            bb_step.mkdir(parents=True, exist_ok=True)  # if trimmed meanwhile
 
     def _withdraw(self, step: int, step_dir: Path) -> None:
         """Collective: undo a save of ``step`` that failed on some rank while the nodes
@@ -659,8 +671,11 @@ class Checkpointer:
 
         ``free`` is each node's free space, as its leader saw it.  The drain trims
         drained BB copies beyond ``keep_bb`` in the background; a node short of
-        room trims them here first.  If a node still lacks room, every node
-        writes straight to the PFS (said once).
+        room trims them here first, and then, if still short, every copy of its
+        that is drained and not newer than the newest committed step (a burst
+        buffer that holds fewer than ``keep_bb`` checkpoints keeps the newest it
+        can).  If a node still lacks room, every node writes straight to the PFS
+        (said once).
         """
         short = [(node, free[node]) for node in range(self.nodes) if need[node] > free[node]]
         if short:
@@ -668,8 +683,12 @@ class Checkpointer:
             def trim() -> tuple[int, int] | None:
                 if not self.topo.is_leader or need[self.node] <= free[self.node]:
                     return None
-                self._trim_bb(keep=self.keep_bb - 1)
-                return self.node, files.free_bytes(self.bb_dir)
+                for keep in sorted({self.keep_bb - 1, 0}, reverse=True):
+                    self._trim_bb(keep)  # beyond keep_bb, then every copy the PFS holds
+                    left = files.free_bytes(self.bb_dir)
+                    if need[self.node] <= left:
+                        break
+                return self.node, left
 
             trimmed = agreed_allgather(self.comm, "checkpoint: making room", trim)
             short = [(n, left) for n, left in filter(None, trimmed) if need[n] > left]
@@ -729,10 +748,11 @@ class Checkpointer:
         shape) box this rank wants, whatever the rank count; with per-rank
         arrays, ``from_rank`` picks whose arrays to read.  Copies that fail
         verification are skipped with a warning naming the file, for the
-        previous checkpoint.  A ``want`` or ``from_rank`` the newest complete
-        checkpoint cannot serve (per-rank arrays, an unsaved rank, key or box),
-        or neither when it was saved by another rank count, raises
-        :class:`UsageError` on every rank instead.
+        step's other copy or the previous checkpoint, which a last warning
+        names.  A ``want`` or ``from_rank`` the newest complete checkpoint
+        cannot serve (per-rank arrays, an unsaved rank, key or box), or neither
+        when it was saved by another rank count, raises :class:`UsageError` on
+        every rank instead.
         """
         self._check_open()
         if isinstance(step, numbers.Integral) and not isinstance(step, bool):
@@ -754,43 +774,21 @@ class Checkpointer:
                 want = layout.wanted_boxes(want)
             if from_rank is not None:
                 from_rank = integer_argument("from_rank", from_rank, 0)
-        pfs_saves: dict[int, Any] = {}
-        with agreed(comm, f"checkpoint {self.name}: listing checkpoints"):
-            if self.rank == 0:
-                pfs_saves = drain.committed_saves(self.pfs_dir)
-            local = reader.bb_copies(self.bb_dir, self.node) if self.topo.is_leader else None
-        pfs_saves = comm.bcast(pfs_saves, root=0)
-        pfs_steps = sorted(pfs_saves)
-        per_node = [c for c in comm.allgather(local) if c is not None]
-        on_all_nodes = reader.one_save_on_every_node(per_node, pfs_saves)
-        candidates = sorted(set(pfs_steps) | on_all_nodes, reverse=True)
-        if step is not None:
-            candidates = [s for s in candidates if s == step]
-        skipped = []
+        skipped: list[str] = []
+        tried: set[tuple[int, str]] = set()
         resharding = want is not None or from_rank is not None
-        for s in candidates:
-            tiers = ["bb"] if s in on_all_nodes and not resharding else []
-            tiers += ["pfs"] if s in pfs_steps else []
-            if not tiers:
-                problem = "only in the burst buffers; want= and from_rank= read the PFS copy"
-                skipped.append(f"step {s} (bb): {problem}")
-                if self.rank == 0:
-                    log.warning(
-                        "checkpoint %s step %d skipped: %s (wait for its drain)",
-                        self.name,
-                        s,
-                        problem,
-                    )
-            for tier in tiers:
-                result, problem = self._try_restore(s, tier, want, from_rank)
-                if result is not None:
-                    self.last_restore_tier = tier
-                    return result
-                skipped.append(f"step {s} ({tier}): {problem}")
-                if self.rank == 0:
-                    log.warning(
-                        "checkpoint %s step %d (%s) skipped: %s", self.name, s, tier, problem
-                    )
+        for _ in range(RESTORE_LISTINGS):  # listed again if a newer step was committed since
+            untried = [
+                (s, tier)
+                for s, tier in self._restore_candidates(step, resharding)
+                if (s, tier) not in tried
+            ]
+            tried.update(untried)
+            result = self._restore_first(untried, want, from_rank, skipped)
+            if result is not None:
+                return result
+            if not untried:
+                break
         where = f"step {step}" if step is not None else "any step"
         why = f"; skipped: {'; '.join(skipped[:3])}" if skipped else ""
         raise NotFoundError(
@@ -800,6 +798,59 @@ class Checkpointer:
             hint="a checkpoint counts once every node's file is durable (and, on the PFS, "
             "its manifest is written)",
         )
+
+    def _restore_candidates(self, step: int | None, resharding: bool) -> list[tuple[int, str]]:
+        """Collective: the copies a restore may read, newest first: (step, "bb" or "pfs"),
+        or (step, "bb only") for a step a resharded restore cannot read yet."""
+        pfs_saves: dict[int, Any] = {}
+        with agreed(self.comm, f"checkpoint {self.name}: listing checkpoints"):
+            if self.rank == 0:
+                pfs_saves = drain.committed_saves(self.pfs_dir)
+            local = reader.bb_copies(self.bb_dir, self.node) if self.topo.is_leader else None
+        pfs_saves = self.comm.bcast(pfs_saves, root=0)
+        per_node = [c for c in self.comm.allgather(local) if c is not None]
+        on_all_nodes = reader.one_save_on_every_node(per_node, pfs_saves)
+        copies = []
+        for s in sorted(set(pfs_saves) | on_all_nodes, reverse=True):
+            if step is not None and s != step:
+                continue
+            tiers = ["bb"] if s in on_all_nodes and not resharding else []
+            tiers += ["pfs"] if s in pfs_saves else []
+            copies += [(s, tier) for tier in tiers or ["bb only"]]
+        return copies
+
+    def _restore_first(
+        self, copies: list[tuple[int, str]], want, from_rank, skipped: list[str]
+    ) -> tuple[int, dict[str, np.ndarray], dict[str, Any]] | None:
+        """Collective: the first of ``copies`` that restores, else None; each copy passed
+        over is added to ``skipped`` and warned of."""
+        for s, tier in copies:
+            if tier == "bb only":
+                problem = "only in the burst buffers; want= and from_rank= read the PFS copy"
+                skipped.append(f"step {s} (bb): {problem}")
+                if self.rank == 0:
+                    log.warning(
+                        "checkpoint %s step %d skipped: %s (wait for its drain)",
+                        self.name,
+                        s,
+                        problem,
+                    )
+                continue
+            result, problem = self._try_restore(s, tier, want, from_rank)
+            if result is not None:
+                self.last_restore_tier = tier
+                if skipped and self.rank == 0:
+                    log.warning(
+                        "checkpoint %s: restored step %d from its %s copy instead",
+                        self.name,
+                        s,
+                        "burst-buffer" if tier == "bb" else "PFS",
+                    )
+                return result
+            skipped.append(f"step {s} ({tier}): {problem}")
+            if self.rank == 0:
+                log.warning("checkpoint %s step %d (%s) skipped: %s", self.name, s, tier, problem)
+        return None
 
     def _try_restore(self, step: int, tier: str, want, from_rank):
         """Collective: (result, None), or (None, the first problem: the same on every rank).

@@ -54,7 +54,9 @@ burst buffer) can never be drained: its save is set aside by a marker beside
 its task, ``damaged-<step>.json``, and one on the PFS for the other nodes'
 drains, ``damaged.json`` in the step's directory; it is reported (``damaged``) and not
 retried, so it holds back neither later checkpoints nor ``close`` nor a
-backpressure policy.
+backpressure policy.  A task file that is damaged (not JSON, or not a task's
+fields) is passed over: reported (``damaged_tasks``, and as the ``error``
+while no task fails), its step's BB copy kept, the other tasks drained.
 """
 
 from __future__ import annotations
@@ -372,16 +374,92 @@ def _wake_waiters(journal: Path) -> None:
                 fifo.unlink()
 
 
-def pending(journal: Path) -> list[Task]:
-    """The queued tasks, oldest step first, but for saves set aside (damaged)."""
+_TASK_TYPES: dict[str, tuple[type, ...]] = {
+    "name": (str,),
+    "step": (int,),
+    "node": (int,),
+    "nodes": (int,),
+    "bb_step_dir": (str,),
+    "pfs_step_dir": (str,),
+    "keep_pfs": (int,),
+    "keep_bb": (int,),
+    "verify": (str,),
+    "save_time": (int, float, type(None)),
+}
+
+
+def _task_problem(document: dict[str, Any], step: int | None) -> str | None:
+    """What makes ``document`` not a task of ``step`` (None if it is one).  Pure."""
+    required = {f.name for f in dataclasses.fields(Task) if f.default is dataclasses.MISSING}
+    missing, unknown = sorted(required - set(document)), sorted(set(document) - set(_TASK_TYPES))
+    if missing or unknown:
+        return f"fields missing: {missing}, fields not a task's: {unknown}"
+    for name, value in document.items():
+        if isinstance(value, bool) or not isinstance(value, _TASK_TYPES[name]):
+            return f"{name} is {value!r}"
+    if document.get("verify", "cache") not in ("cache", "device"):
+        return f"verify is {document['verify']!r}"
+    if not 0 <= document["node"] < document["nodes"]:
+        return f"node {document['node']} of {document['nodes']}"
+    if step is not None and document["step"] != step:
+        return f"it queues step {document['step']}"
+    return None
+
+
+def read_task(path: Path) -> Task | None:
+    """The task queued at ``path`` (a journal's ``task-<step>.json``), or None if there is
+    none.  Not collective.
+
+    Raises :class:`IntegrityError` naming ``path`` when it is damaged: not a JSON
+    object, or not the fields of a task of its step (bbio writes it whole).
+    """
+    document = files.read_json(path)
+    if document is None:
+        return None
+    problem = _task_problem(document, _queued_step(path))
+    if problem is not None:
+        raise IntegrityError(
+            f"the drain's task file is damaged: {problem}",
+            path=path,
+            hint="bbio writes it whole, so something else changed it; remove it (that "
+            "step is then not drained from this node: save it again to drain it)",
+        )
+    return Task(**document)
+
+
+def _queued_step(path: Path) -> int | None:
+    """The step a task file's name (``task-<step>.json``) queues."""
+    try:
+        return int(path.stem.partition("-")[2])
+    except ValueError:
+        return None
+
+
+def read_queue(journal: Path) -> tuple[list[Task], dict[int, IntegrityError]]:
+    """The queued tasks, oldest step first, but for saves set aside (damaged node files);
+    and the damaged task files, {step: why}.  Not collective."""
     aside = set_aside(journal)
-    tasks = []
+    tasks, damaged = [], {}
     for path in sorted(journal.glob("task-*.json")):
-        document = files.read_json(path)
-        if document is not None:
-            task = Task(**document)
-            if task.step not in aside:
-                tasks.append(task)
+        step = _queued_step(path)
+        if step is None:
+            continue  # not a name bbio gives a task
+        try:
+            task = read_task(path)
+        except IntegrityError as exc:
+            damaged[step] = exc
+            continue
+        if task is not None and task.step not in aside:
+            tasks.append(task)
+    return tasks, damaged
+
+
+def pending(journal: Path) -> list[Task]:
+    """The queued tasks, oldest step first, but for saves set aside (damaged).  Not
+    collective.  Raises the :class:`IntegrityError` of a damaged task file, if any."""
+    tasks, damaged = read_queue(journal)
+    if damaged:
+        raise damaged[min(damaged)]
     return tasks
 
 
@@ -452,12 +530,73 @@ def manifest_path(step_dir: Path) -> Path:
 def read_manifest(step_dir: Path) -> dict[str, Any] | None:
     """The committed manifest of a PFS checkpoint, or None if it is not committed.
 
-    Raises :class:`IntegrityError` for a damaged manifest (not valid JSON).
+    Raises :class:`IntegrityError` for a damaged manifest: not valid JSON, of
+    another format, or without what a restore reads (:func:`manifest_problem`).
     """
-    document = files.read_json(manifest_path(step_dir))
-    if document is None or document.get("format") != MANIFEST_FORMAT:
+    path = manifest_path(step_dir)
+    document = files.read_json(path)
+    if document is None:
         return None
+    problem = manifest_problem(document, layout.parse_step(step_dir.name))
+    if problem is not None:
+        raise IntegrityError(
+            f"the manifest is damaged: {problem}",
+            path=path,
+            hint="bbio writes it whole, so something else changed it; 'bbio ckpt drain "
+            "--finish' on the nodes that saved the step commits it again, or remove the "
+            "step's directory",
+        )
     return document
+
+
+_MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
+    "step": (int,),
+    "time": (int, float),
+    "ranks": (int,),
+    "nodes": (int,),
+    "layout": (str,),
+    "rank_nodes": (list,),
+    "global_shapes": (dict,),
+    "attrs": (dict,),
+    "files": (list,),
+}
+
+
+def manifest_problem(document: dict[str, Any], step: int | None) -> str | None:
+    """What makes ``document`` not the manifest of ``step`` that a restore can read (None
+    if it is one): its format, the fields restore reads, a node of each rank and an
+    entry (path, size, CRC32C) for each node file and ``global.h5``.  Pure."""
+    if document.get("format") != MANIFEST_FORMAT:
+        return f"its format is {document.get('format')!r}, not {MANIFEST_FORMAT!r}"
+    for name, kinds in _MANIFEST_TYPES.items():
+        value = document.get(name)
+        if isinstance(value, bool) or not isinstance(value, kinds):
+            return f"{name} is {value!r}"
+    if step is not None and document["step"] != step:
+        return f"it is the manifest of step {document['step']}"
+    nodes, rank_nodes = document["nodes"], document["rank_nodes"]
+    if document["layout"] not in (layout.PER_RANK, layout.GLOBAL):
+        return f"layout is {document['layout']!r}"
+    if len(rank_nodes) != document["ranks"] or not all(
+        isinstance(n, int) and not isinstance(n, bool) and 0 <= n < nodes for n in rank_nodes
+    ):
+        return f"rank_nodes {rank_nodes!r} is not a node of each of {document['ranks']} ranks"
+    paths = []
+    for entry in document["files"]:
+        fields = entry if isinstance(entry, dict) else {}
+        if not (
+            isinstance(fields.get("path"), str)
+            and all(
+                isinstance(fields.get(k), int) and not isinstance(fields.get(k), bool)
+                for k in ("size", "crc32c")
+            )
+        ):
+            return f"a file entry is {entry!r}, not its path, size and crc32c"
+        paths.append(fields["path"])
+    expected = [layout.node_filename(n) for n in range(nodes)] + [GLOBAL_VIEW]
+    if sorted(paths) != sorted(expected):
+        return f"it lists the files {paths}, not {expected}"
+    return None
 
 
 # ------------------------------------------------------------------ copying
@@ -973,12 +1112,10 @@ def _manifest_in_place(step_dir: Path) -> tuple[bool, dict[str, Any] | None]:
     """Is there a manifest in ``step_dir``, and the sound one it is (None if damaged or
     not a manifest)?  Not collective."""
     try:
-        document = files.read_json(manifest_path(step_dir))
+        document = read_manifest(step_dir)
     except IntegrityError:
         return True, None
-    if document is None:
-        return False, None
-    return True, document if document.get("format") == MANIFEST_FORMAT else None
+    return document is not None, document
 
 
 def committed_save(step_dir: Path, save: float | None = None) -> bool:
@@ -1158,7 +1295,8 @@ def trim_bb(
     surplus = copies[: max(len(copies) - keep, 0)]
     if not surplus:
         return 0
-    queued = {t.step for t in pending(journal)}  # read after the listing
+    tasks, damaged = read_queue(journal)  # read after the listing
+    queued = {t.step for t in tasks} | set(damaged)  # a damaged task's copy is kept
     aside = set_aside(journal)  # damaged: kept for the admin, and not waited for
     newest = newest_committed_step(pfs_ckpt_dir, at_least=surplus[0])
     left = 0
@@ -1459,9 +1597,11 @@ class _Commits:
     ``committed``: recent steps seen committed; ``awaiting``: steps this node
     drained whose commit waits on other nodes; ``failures``: tasks (by step and
     save) waiting to be tried again, the latest one's error reported until it
-    succeeds; ``busy``: the tasks being drained (copied, or finished in the
-    background), each with its previous failure; ``rest``: the state when none
-    is (idle, retrying a step, stopped).
+    succeeds; ``damaged_tasks``: the journal's damaged task files, {step: why},
+    reported (as the error when no task fails) while they are there;
+    ``busy``: the tasks being drained (copied, or finished in the background),
+    each with its previous failure; ``rest``: the state when none is (idle,
+    retrying a step, stopped).
     :meth:`look` polls the PFS for
     the awaited ones: the one poller per node, on the thread of :meth:`looking`,
     so that no copy in the drain's loop holds it up.  Its pauses last a tenth
@@ -1484,6 +1624,7 @@ class _Commits:
         self.awaiting: dict[int, Task] = {}
         self.committed: dict[int, float | None] = {}  # recent steps committed: their save
         self.failures: dict[tuple[int, float | None], _Failure] = {}
+        self.damaged_tasks: dict[int, str] = {}
         self.damaged_elsewhere: dict[int, dict[str, Any]] = {}  # awaited, set aside by a node
         self.since = self.next_look = self.next_damaged_look = self.next_orphan_look = 0.0
         self.news = threading.Event()  # a step is awaited anew, or the looking stops
@@ -1499,6 +1640,8 @@ class _Commits:
                 self.rest = rest
             latest = max(self.failures.values(), key=lambda f: f.retry_at - f.backoff, default=None)
             trouble = {"error": latest.message, "retries": latest.count} if latest else {}
+            if not trouble and self.damaged_tasks:
+                trouble = {"error": self.damaged_tasks[min(self.damaged_tasks)]}
             activity = self.rest
             if self.busy:
                 task, failure = list(self.busy.values())[-1]
@@ -1512,8 +1655,21 @@ class _Commits:
                 committed_saves={str(step): save for step, save in self.committed.items()},
                 failing=sorted({step for step, _ in self.failures}),
                 damaged={str(step): damaged[step] for step in sorted(damaged)},
+                damaged_tasks={str(step): why for step, why in sorted(self.damaged_tasks.items())},
                 **{"error": None, "retries": 0, **trouble, **activity},
             )
+
+    def found_damaged_tasks(self, damaged: dict[int, IntegrityError]) -> None:
+        """The journal's damaged task files, as :func:`read_queue` found them now: each
+        new one is said on stderr, and the status reports them."""
+        with self.lock:
+            now = {step: str(exc) for step, exc in damaged.items()}
+            if now == self.damaged_tasks:
+                return
+            for step in sorted(now.keys() - self.damaged_tasks.keys()):
+                print(f"bbio drain: {now[step]} (not drained; later steps are)", file=sys.stderr)
+            self.damaged_tasks = now
+            self.report()
 
     def begin(self, task: Task, failure: _Failure | None) -> None:
         """The drain takes ``task`` (``failure``: of its previous try, if any)."""
@@ -1802,7 +1958,9 @@ def _drain(
     journal: Path, parent: int | None, finish: bool, deadline: float | None, waker: _Waker
 ) -> int:
     """The drain's loop: tasks in step order; one that fails is tried again after a
-    backoff (1 s, doubling up to 30 s) while the others go on.
+    backoff (1 s, doubling up to 30 s) while the others go on.  A damaged task file
+    is said and reported, its step's copy kept, and the others drained; in finish
+    mode the drain then exits with status 1.
 
     Draining is a pipeline of two: while a thread finishes a task (the flush, the
     read-back, the renames and the commit, mostly waiting on the PFS), the loop
@@ -1815,7 +1973,7 @@ def _drain(
     trimmed_at = announced_at = 0.0
     announced: set[tuple[int, float | None]] = set()  # saves set aside, their PFS marker there
     commits = _Commits(journal)
-    inherited = {_task_key(t) for t in pending(journal)}  # an earlier drain's, maybe tried
+    inherited = {_task_key(t) for t in read_queue(journal)[0]}  # an earlier drain's, maybe tried
     failures = commits.failures
     finishing: _Finishing | None = None
 
@@ -1863,7 +2021,8 @@ def _drain(
             if time.monotonic() - announced_at > IDLE_TRIM_SECONDS:  # busy or not
                 _announce_set_aside(journal, announced)
                 announced_at = time.monotonic()
-            tasks = pending(journal)
+            tasks, damaged = read_queue(journal)
+            commits.found_damaged_tasks(damaged)
             with commits.lock:
                 for gone in set(failures) - {_task_key(t) for t in tasks}:
                     del failures[gone]  # removed, or saved again: a new task
@@ -1896,7 +2055,7 @@ def _drain(
                             f"bbio drain: step {step} set aside: {marker.get('why')}",
                             file=sys.stderr,
                         )
-                    return 1 if aside else 0
+                    return 1 if aside or (finish and damaged) else 0
                 waker.pause(POLL_SECONDS)
                 continue
             if not ready:  # every task waits for its next try
@@ -1969,9 +2128,9 @@ def _announce_set_aside(journal: Path, announced: set[tuple[int, float | None]])
     yet), so that their drains and waiting ranks stop waiting; ``announced`` keeps those
     done.  Not collective."""
     for step, marker in set_aside(journal).items():
-        with contextlib.suppress(BBIOError, TypeError):
-            task = Task(**(files.read_json(task_path(journal, step)) or {}))
-            if task.save_time != marker.get("time") or _task_key(task) in announced:
+        with contextlib.suppress(BBIOError):
+            task = read_task(task_path(journal, step))
+            if task is None or task.save_time != marker.get("time") or _task_key(task) in announced:
                 continue  # saved again meanwhile, or said
             if _tell_other_nodes(task, marker):
                 announced.add(_task_key(task))

@@ -33,6 +33,7 @@ from bbio.arguments import integer_argument
 from bbio.errors import UsageError
 
 CKPT_DIR = "ckpt"
+MAX_STEP = 2**64 - 1  # a node file's "step" attribute is a 64-bit HDF5 integer
 CRC_ATTR = "crc32c"  # root attribute of a node file: {dataset: CRC32C of its bytes}, JSON
 PER_RANK, GLOBAL = "per-rank", "global"
 _STEP = re.compile(r"^step-(\d{8,})$")
@@ -92,8 +93,8 @@ def _coordinates(name: str, value: object) -> tuple[int, ...]:
 
 def step_dirname(step: int) -> str:
     """``step-00000042``."""
-    if step < 0:
-        raise UsageError(f"checkpoint steps are non-negative integers, got {step}")
+    if not 0 <= step <= MAX_STEP:
+        raise UsageError(f"checkpoint steps are integers from 0 to 2**64 - 1, got {step}")
     return f"step-{step:08d}"
 
 

@@ -77,10 +77,36 @@ def _bb_records(bb_ckpt_dir: Path, node: int | None) -> Iterator[tuple[int, int,
         if step is None:
             continue
         for n in [node] if node is not None else layout.nodes_in(entry):
+            path = entry / layout.node_record_name(n)
             try:
-                yield step, n, files.read_json(entry / layout.node_record_name(n))
+                record = files.read_json(path)
             except BBIOError as exc:  # damaged or unreadable: that copy does not count
                 yield step, n, exc
+                continue
+            problem = None if record is None else _record_problem(record)
+            if problem is not None:
+                record = IntegrityError(
+                    f"the burst-buffer record is damaged: {problem}",
+                    path=path,
+                    hint="bbio writes it whole, so something else changed it; that copy "
+                    "does not count: remove its step directory, or save the step again",
+                )
+            yield step, n, record
+
+
+def _record_problem(record: dict[str, Any]) -> str | None:
+    """What makes ``record`` not a node record (its size, and its CRC32C once drained).
+    Pure."""
+    size, crc = record.get("size"), record.get("crc32c")
+    if not _is_count(size):
+        return f"size is {size!r}"
+    if crc is not None and not _is_count(crc):
+        return f"crc32c is {crc!r}"
+    return None
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def verify_file(path: Path, size: int | None, crc: int | None) -> None:
@@ -144,8 +170,7 @@ def check_request(
 
 
 def _checked(dataset, recorded: int, path: Path) -> np.ndarray:
-    data = dataset[()]
-    data = np.asarray(data)
+    data = dataset[...]  # an array in the stored byte order even when 0-d: [()] gives a scalar
     crc = _native.crc32c(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
     if crc != recorded:
         raise IntegrityError(
