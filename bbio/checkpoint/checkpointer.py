@@ -671,11 +671,11 @@ class Checkpointer:
 
         ``free`` is each node's free space, as its leader saw it.  The drain trims
         drained BB copies beyond ``keep_bb`` in the background; a node short of
-        room trims them here first, and then, if still short, every copy of its
-        that is drained and not newer than the newest committed step (a burst
-        buffer that holds fewer than ``keep_bb`` checkpoints keeps the newest it
-        can).  If a node still lacks room, every node writes straight to the PFS
-        (said once).
+        room trims them here first, and then, while still short, one more, oldest
+        first (:func:`drain.trim_bb`: drained, and not newer than the newest
+        committed step), so a burst buffer that holds fewer than ``keep_bb``
+        checkpoints keeps the newest it can.  If a node still lacks room, every
+        node writes straight to the PFS (said once).
         """
         short = [(node, free[node]) for node in range(self.nodes) if need[node] > free[node]]
         if short:
@@ -683,8 +683,8 @@ class Checkpointer:
             def trim() -> tuple[int, int] | None:
                 if not self.topo.is_leader or need[self.node] <= free[self.node]:
                     return None
-                for keep in sorted({self.keep_bb - 1, 0}, reverse=True):
-                    self._trim_bb(keep)  # beyond keep_bb, then every copy the PFS holds
+                for keep in range(self.keep_bb - 1, -1, -1):  # then one more, oldest first
+                    self._trim_bb(keep)
                     left = files.free_bytes(self.bb_dir)
                     if need[self.node] <= left:
                         break
