@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
+import signal
+import time
 
 import numpy as np
 import pytest
 
 import bbio
 from bbio.checkpoint import drain, layout
-from tests.test_checkpoint import config_for, same, state
+from tests.test_checkpoint import config_for, same, state, stop_idle_drains
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -190,25 +193,34 @@ def test_a_bad_close_timeout_on_one_rank_is_a_usage_error_everywhere(comm, share
     ckpt.close(timeout=60)  # nothing was closed: it closes now
 
 
-def test_a_damaged_task_in_one_journal_is_one_error_everywhere_not_a_hang(comm, shared_tmp):
-    """``close`` (and a blocking or skipping save) look at every node's queue; a task file
-    that is not JSON on one node raises the same error on every rank."""
+def test_a_damaged_task_file_sets_its_save_aside_on_every_node(comm, shared_tmp):
+    """A task file that is not JSON on the last node: its save is set aside as one whose
+    node file is damaged.  Its handle's wait raises at once on every rank (before: it
+    waited for ever), ``close`` ends, and a new job's Checkpointer starts and restores
+    (before: it raised the task file's error)."""
     rank = comm.Get_rank()
-    ckpt = bbio.Checkpointer(comm, "j", config=config_for(comm, shared_tmp))
+    config = config_for(comm, shared_tmp)
+    ckpt = bbio.Checkpointer(comm, "j", config=config)
     ckpt.save(1, state(1, rank)).wait(timeout=60)
-    damaged = drain.task_path(ckpt.journal, 7)
-    if rank == comm.Get_size() - 1:  # the last node's leader
+    drains = stop_idle_drains(comm, ckpt)
+    handle = ckpt.save(2, state(2, rank))  # queued; no drain has looked at it
+    damaged = drain.task_path(ckpt.journal, 2)
+    if rank == comm.Get_size() - 1:  # on the last node
         damaged.write_text("{not json")
     comm.Barrier()
-    with pytest.raises(bbio.BBIOError) as info:
-        ckpt.close(timeout=20)
-    message = same_everywhere(comm, info.value)
-    assert "task-00000007.json" in message, message
-    comm.Barrier()
-    if rank == comm.Get_size() - 1:
-        damaged.unlink()
-    comm.Barrier()
-    ckpt.close(timeout=60)
+    for pid in drains:
+        os.kill(pid, signal.SIGCONT)
+    started = time.monotonic()
+    with pytest.raises(bbio.IntegrityError) as info:
+        handle.wait(timeout=60)
+    assert time.monotonic() - started < 30
+    message = str(info.value)
+    assert "step 2 will not be committed: node 1's drain task file is damaged" in message
+    assert "task-00000002.json" in message, message
+    ckpt.close(timeout=60)  # set aside: nothing to wait for
+    with bbio.Checkpointer(comm, "j", config=config) as again:  # a later job, same nodes
+        step, arrays, _ = again.restore()  # step 2 is whole in every node's burst buffer
+        assert step == 2 and same(arrays, state(2, rank)) and again.last_restore_tier == "bb"
 
 
 def test_different_arguments_to_the_constructor_or_restore_are_a_usage_error(comm, shared_tmp):

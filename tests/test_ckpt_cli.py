@@ -179,35 +179,46 @@ def test_drain_finish_says_what_it_drained(tmp_path, job):
 
 def test_a_damaged_task_file_is_named_and_the_other_steps_are_drained(tmp_path, job):
     """Before, a task file of the wrong fields was a TypeError's traceback in ``ls`` and
-    ``drain --finish``, and killed the drain, which then drained nothing."""
+    ``drain --finish``, and killed the drain, which then drained nothing; ``wait`` for
+    its step waited until its timeout."""
     from bbio.checkpoint import drain, layout
     from bbio.transfer import files
 
     saved = run_mpi(4, str(job), str(tmp_path), "save")
     assert saved.returncode == 0, saved.stdout + saved.stderr
     bb, pfs = tmp_path / "bb" / "0" / "ckpt" / "run", tmp_path / "pfs" / "ckpt" / "run"
-    bb_step, pfs_step = bb / layout.step_dirname(2), pfs / layout.step_dirname(2)
-    drain.manifest_path(pfs_step).unlink()  # step 2 to drain again, as in the test above
-    record = files.read_json(bb_step / layout.node_record_name(0))
     journal = drain.journal_dir(bb)
-    task = drain.Task("run", 2, 0, 2, str(bb_step), str(pfs_step), 5, save_time=record["time"])
+    for step in (1, 2):  # node 0's drain died before either was committed
+        drain.manifest_path(pfs / layout.step_dirname(step)).unlink()
+    (pfs / layout.step_dirname(2) / layout.node_record_name(0)).unlink()  # nor step 2 copied
+    bb_step, pfs_step = bb / layout.step_dirname(1), pfs / layout.step_dirname(1)
+    record = files.read_json(bb_step / layout.node_record_name(0))
+    task = drain.Task("run", 1, 0, 2, str(bb_step), str(pfs_step), 5, save_time=record["time"])
     drain.add_task(journal, task)
-    damaged = drain.task_path(journal, 1)
-    damaged.write_text(json.dumps({"name": "run", "step": 1}))
-    listing = bbio_ckpt(tmp_path, "ls")
-    assert listing.returncode == 0, listing.stderr
-    rows = [line.split() for line in listing.stdout.splitlines() if line.startswith("run ")]
-    assert rows[0][:2] == ["run", "1"] and "damaged task" in " ".join(rows[0]), rows
-    assert rows[1][:2] == ["run", "2"] and rows[1][-1] == "queued", rows
+    damaged = drain.task_path(journal, 2)
+    damaged.write_text(json.dumps({"name": "run", "step": 2}))
+
+    def queue_column() -> dict[str, str]:
+        listing = bbio_ckpt(tmp_path, "ls")
+        assert listing.returncode == 0 and "Traceback" not in listing.stderr, listing.stderr
+        rows = [line for line in listing.stdout.splitlines() if line.startswith("run ")]
+        return {row.split()[1]: row.rsplit("  ", 1)[-1].strip() for row in rows}
+
+    assert queue_column() == {"1": "queued", "2": "damaged task"}
     finished = bbio_ckpt(tmp_path, "drain", "--finish", "--timeout", "30")
     assert finished.returncode == 1 and "Traceback" not in finished.stderr
     assert "the drain's task file is damaged" in finished.stderr, finished.stderr
     assert str(damaged) in finished.stderr
-    assert drain.read_manifest(pfs_step) is not None  # step 2 drained and committed all the same
-    assert (bb / layout.step_dirname(1)).is_dir()  # the damaged task's copy is kept
+    assert drain.read_manifest(pfs_step) is not None  # step 1 drained and committed all the same
+    assert (bb / layout.step_dirname(2)).is_dir()  # the damaged task's copy is kept
+    assert queue_column() == {"1": "-", "2": "set aside"}
     verified = bbio_ckpt(tmp_path, "verify", "run")
     assert verified.returncode == 1 and str(damaged) in verified.stderr
     assert "Traceback" not in verified.stderr
+    started = time.monotonic()
+    waited = bbio_ckpt(tmp_path, "wait", "run", "--step", "2", "--timeout", "60")
+    assert waited.returncode == 1 and time.monotonic() - started < 30
+    assert "step 2 will not be committed: set aside on this node" in waited.stderr
 
 
 @pytest.mark.parametrize("action", ["wait", "drain"])

@@ -1328,12 +1328,14 @@ def test_a_running_drain_that_finds_the_marker_before_copying_tells_its_ranks(tm
         background.join(timeout=60)
 
 
-def test_a_damaged_record_keeps_its_copy_and_does_not_stop_trimming(tmp_path):
+@pytest.mark.parametrize("damage", ["{garbage", '{"size": "ten", "crc32c": 123}'])
+def test_a_damaged_record_keeps_its_copy_and_does_not_stop_trimming(tmp_path, damage):
+    """Also a record of the wrong fields, which ``verify`` names (before, it was trimmed)."""
     bb, pfs = tmp_path / "bb" / "ckpt" / "run", tmp_path / "pfs" / "ckpt" / "run"
     journal = drain.journal_dir(bb)
     journal.mkdir(parents=True)
     _drained_copies(bb, pfs, {1: None, 2: None, 3: None})
-    (bb / layout.step_dirname(1) / layout.node_record_name(0)).write_text("{garbage")
+    (bb / layout.step_dirname(1) / layout.node_record_name(0)).write_text(damage)
     assert drain.trim_bb(bb, 0, 1, pfs, journal, recycle=False) == 1  # step 1 kept
     assert sorted(p.name for p in bb.glob("step-*")) == [
         layout.step_dirname(1),

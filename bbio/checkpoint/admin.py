@@ -156,6 +156,13 @@ def _set_aside_here(bb_dir: Path, node: int | None) -> list[str]:
     problems = []
     journal = drain.journal_dir(bb_dir)
     for step, marker in sorted(drain.set_aside(journal).items()):
+        if marker.get(drain.TASK_DAMAGED):
+            problems.append(
+                f"{drain.task_path(journal, step)}: set aside by the drain, never drained: "
+                f"{marker.get('why')}; save step {step} again, or remove it, "
+                f"{drain.set_aside_path(journal, step)} and the step's directories"
+            )
+            continue
         damaged_node = marker.get("node")
         try:
             here = (files.read_json(drain.task_path(journal, step)) or {}).get("node", node)
@@ -249,6 +256,14 @@ def wait_committed(
     queued_here = drain.task_path(drain.journal_dir(bb_root / layout.CKPT_DIR / name), step)
     deadline = None if timeout is None else time.monotonic() + timeout
     while not drain.committed_save(step_dir):
+        set_aside_here = drain.set_aside(queued_here.parent).get(step)
+        if set_aside_here is not None:
+            raise IntegrityError(
+                f"checkpoint {name} step {step} will not be committed: set aside on this "
+                f"node: {set_aside_here.get('why')}",
+                path=queued_here,
+                hint="save the step again, or wait for a later one",
+            )
         damaged = drain.read_damaged(step_dir)
         if damaged is not None and _of_the_latest_save(damaged["time"], step_dir, queued_here):
             raise IntegrityError(

@@ -108,9 +108,10 @@ class SaveHandle:
                 entry = drain.damaged_save(self.pfs_step_dir, self.save_time)
         if entry is None:
             return
+        what = "drain task file" if entry.get(drain.TASK_DAMAGED) else "file"
         raise IntegrityError(
             f"checkpoint {self.name} step {self.step} will not be committed: node "
-            f"{entry.get('node')}'s file is damaged: {entry.get('why')}",
+            f"{entry.get('node')}'s {what} is damaged: {entry.get('why')}",
             path=self.pfs_step_dir,
             hint="save again (a later step, or this one)",
         )
@@ -252,9 +253,9 @@ class Checkpointer:
                 self.journal.mkdir(parents=True, exist_ok=True)
                 (self.journal / drain.STOP).unlink(missing_ok=True)
                 drain.set_target(self.journal, self.pfs_dir, self.nodes, keep_pfs)
-                left = drain.pending(self.journal)
+                left, damaged = drain.read_queue(self.journal)
                 queued = [t.step for t in left if t.source.exists()]
-                if left:  # an earlier job's queue: drained (or set aside) before any wait
+                if left or damaged:  # an earlier job's queue: drained (or set aside) first
                     self._start_drain()
             if self.rank == 0:
                 pfs_steps = drain.steps_in(self.pfs_dir), drain.committed_steps(self.pfs_dir)
@@ -619,7 +620,7 @@ class Checkpointer:
         blocking or skipping save, or ``close``, would wait for ever."""
         queued = np.zeros(1, np.int64)  # nodes with tasks, summed by the agreement
         with agreed(self.comm, f"checkpoint {self.name}: looking at the drains' queues", queued):
-            mine = bool(drain.pending(self.journal)) if self.topo.is_leader else False
+            mine = self.topo.is_leader and any(drain.read_queue(self.journal))
             own_alive = self._drain is not None and self._drain.poll() is None
             if mine and not own_alive and not drain.is_draining(self.journal):
                 try:

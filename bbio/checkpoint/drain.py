@@ -55,8 +55,8 @@ its task, ``damaged-<step>.json``, and one on the PFS for the other nodes'
 drains, ``damaged.json`` in the step's directory; it is reported (``damaged``) and not
 retried, so it holds back neither later checkpoints nor ``close`` nor a
 backpressure policy.  A task file that is damaged (not JSON, or not a task's
-fields) is passed over: reported (``damaged_tasks``, and as the ``error``
-while no task fails), its step's BB copy kept, the other tasks drained.
+fields) cannot be drained either: its save (known from the node's BB record)
+is set aside the same way, the task file kept for the admin.
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ MANIFEST = "manifest.json"
 RETIRING = ".retiring-"  # a checkpoint's directory being deleted by PFS retention
 GLOBAL_VIEW = "global.h5"
 MANIFEST_FORMAT = "bbio-checkpoint/1"
+TASK_DAMAGED = "task_damaged"  # in a set-aside marker: the task file was damaged, not the copy
 STALE_LOCK_SECONDS = 120.0
 COMMIT_PATIENCE_SECONDS = STALE_LOCK_SECONDS + 5  # a held commit lock, waited on by default
 MAX_BACKOFF_SECONDS = 30.0
@@ -202,15 +203,21 @@ class DamagedNodeFile(IntegrityError):
 
 
 def set_aside(journal: Path) -> dict[int, dict[str, Any]]:
-    """The saves set aside in ``journal`` whose task is still the one queued:
-    {step: {"time": save time, "why": message}}.  Not collective."""
+    """The saves set aside in ``journal`` whose task is still the one queued (or still
+    the damaged task file that was set aside): {step: {"time": save time, "why":
+    message, "node": node}}.  Not collective."""
     found = {}
     for marker in journal.glob("damaged-*.json"):
         with contextlib.suppress(BBIOError, ValueError):
             step = int(marker.stem.partition("-")[2])
             document = files.read_json(marker) or {}
-            task = files.read_json(task_path(journal, step))
-            if task is not None and task.get("save_time") == document.get("time"):
+            try:
+                task = read_task(task_path(journal, step))
+            except IntegrityError:  # still damaged: set aside if that is why
+                if document.get(TASK_DAMAGED):
+                    found[step] = document
+                continue
+            if task is not None and task.save_time == document.get("time"):
                 found[step] = document
     return found
 
@@ -421,8 +428,8 @@ def read_task(path: Path) -> Task | None:
         raise IntegrityError(
             f"the drain's task file is damaged: {problem}",
             path=path,
-            hint="bbio writes it whole, so something else changed it; remove it (that "
-            "step is then not drained from this node: save it again to drain it)",
+            hint="bbio writes it whole, so something else changed it; the drain sets that "
+            "save aside (a new save of the step replaces it)",
         )
     return Task(**document)
 
@@ -436,31 +443,30 @@ def _queued_step(path: Path) -> int | None:
 
 
 def read_queue(journal: Path) -> tuple[list[Task], dict[int, IntegrityError]]:
-    """The queued tasks, oldest step first, but for saves set aside (damaged node files);
-    and the damaged task files, {step: why}.  Not collective."""
+    """The queued tasks, oldest step first, and the damaged task files, {step: why}; but
+    for saves set aside (their node file or task file damaged).  Not collective."""
     aside = set_aside(journal)
     tasks, damaged = [], {}
     for path in sorted(journal.glob("task-*.json")):
         step = _queued_step(path)
         if step is None:
             continue  # not a name bbio gives a task
+        if step in aside:
+            continue
         try:
             task = read_task(path)
         except IntegrityError as exc:
             damaged[step] = exc
             continue
-        if task is not None and task.step not in aside:
+        if task is not None:
             tasks.append(task)
     return tasks, damaged
 
 
 def pending(journal: Path) -> list[Task]:
-    """The queued tasks, oldest step first, but for saves set aside (damaged).  Not
-    collective.  Raises the :class:`IntegrityError` of a damaged task file, if any."""
-    tasks, damaged = read_queue(journal)
-    if damaged:
-        raise damaged[min(damaged)]
-    return tasks
+    """The queued tasks that can be drained, oldest step first (:func:`read_queue`).
+    Not collective."""
+    return read_queue(journal)[0]
 
 
 def set_target(journal: Path, pfs_ckpt_dir: Path, nodes: int, keep_pfs: int) -> None:
@@ -547,6 +553,21 @@ def read_manifest(step_dir: Path) -> dict[str, Any] | None:
             "step's directory",
         )
     return document
+
+
+def record_problem(record: dict[str, Any]) -> str | None:
+    """What makes ``record`` not a node record (its size, and its CRC32C once drained).
+    Pure."""
+    size, crc = record.get("size"), record.get("crc32c")
+    if not _is_count(size):
+        return f"size is {size!r}"
+    if crc is not None and not _is_count(crc):
+        return f"crc32c is {crc!r}"
+    return None
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 _MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
@@ -1308,6 +1329,8 @@ def trim_bb(
             record = files.read_json(step_dir / layout.node_record_name(node)) or {}
         except IntegrityError:  # a damaged record: kept for the admin, never trimmed
             record = {}
+        if record and record_problem(record) is not None:
+            record = {}  # damaged too (not a record's fields): kept the same way
         drained = record.get("crc32c") is not None or record.get("retired") is True
         if not drained or step in queued or newest is None or newest < step:
             left += 1
@@ -1597,9 +1620,7 @@ class _Commits:
     ``committed``: recent steps seen committed; ``awaiting``: steps this node
     drained whose commit waits on other nodes; ``failures``: tasks (by step and
     save) waiting to be tried again, the latest one's error reported until it
-    succeeds; ``damaged_tasks``: the journal's damaged task files, {step: why},
-    reported (as the error when no task fails) while they are there;
-    ``busy``: the tasks being drained (copied, or finished in the background),
+    succeeds; ``busy``: the tasks being drained (copied, or finished in the background),
     each with its previous failure; ``rest``: the state when none is (idle,
     retrying a step, stopped).
     :meth:`look` polls the PFS for
@@ -1624,7 +1645,6 @@ class _Commits:
         self.awaiting: dict[int, Task] = {}
         self.committed: dict[int, float | None] = {}  # recent steps committed: their save
         self.failures: dict[tuple[int, float | None], _Failure] = {}
-        self.damaged_tasks: dict[int, str] = {}
         self.damaged_elsewhere: dict[int, dict[str, Any]] = {}  # awaited, set aside by a node
         self.since = self.next_look = self.next_damaged_look = self.next_orphan_look = 0.0
         self.news = threading.Event()  # a step is awaited anew, or the looking stops
@@ -1640,8 +1660,6 @@ class _Commits:
                 self.rest = rest
             latest = max(self.failures.values(), key=lambda f: f.retry_at - f.backoff, default=None)
             trouble = {"error": latest.message, "retries": latest.count} if latest else {}
-            if not trouble and self.damaged_tasks:
-                trouble = {"error": self.damaged_tasks[min(self.damaged_tasks)]}
             activity = self.rest
             if self.busy:
                 task, failure = list(self.busy.values())[-1]
@@ -1655,21 +1673,8 @@ class _Commits:
                 committed_saves={str(step): save for step, save in self.committed.items()},
                 failing=sorted({step for step, _ in self.failures}),
                 damaged={str(step): damaged[step] for step in sorted(damaged)},
-                damaged_tasks={str(step): why for step, why in sorted(self.damaged_tasks.items())},
                 **{"error": None, "retries": 0, **trouble, **activity},
             )
-
-    def found_damaged_tasks(self, damaged: dict[int, IntegrityError]) -> None:
-        """The journal's damaged task files, as :func:`read_queue` found them now: each
-        new one is said on stderr, and the status reports them."""
-        with self.lock:
-            now = {step: str(exc) for step, exc in damaged.items()}
-            if now == self.damaged_tasks:
-                return
-            for step in sorted(now.keys() - self.damaged_tasks.keys()):
-                print(f"bbio drain: {now[step]} (not drained; later steps are)", file=sys.stderr)
-            self.damaged_tasks = now
-            self.report()
 
     def begin(self, task: Task, failure: _Failure | None) -> None:
         """The drain takes ``task`` (``failure``: of its previous try, if any)."""
@@ -1958,9 +1963,9 @@ def _drain(
     journal: Path, parent: int | None, finish: bool, deadline: float | None, waker: _Waker
 ) -> int:
     """The drain's loop: tasks in step order; one that fails is tried again after a
-    backoff (1 s, doubling up to 30 s) while the others go on.  A damaged task file
-    is said and reported, its step's copy kept, and the others drained; in finish
-    mode the drain then exits with status 1.
+    backoff (1 s, doubling up to 30 s) while the others go on.  A save whose node
+    file or task file is damaged is set aside (:func:`_set_aside`); in finish mode
+    the drain then exits with status 1.
 
     Draining is a pipeline of two: while a thread finishes a task (the flush, the
     read-back, the renames and the commit, mostly waiting on the PFS), the loop
@@ -2022,7 +2027,11 @@ def _drain(
                 _announce_set_aside(journal, announced)
                 announced_at = time.monotonic()
             tasks, damaged = read_queue(journal)
-            commits.found_damaged_tasks(damaged)
+            for step, why in damaged.items():  # never drainable: set aside, not retried
+                _set_aside_damaged_task(journal, step, why)
+                print(f"bbio drain: {why} (set aside, not retried)", file=sys.stderr)
+            if damaged:
+                commits.report()
             with commits.lock:
                 for gone in set(failures) - {_task_key(t) for t in tasks}:
                     del failures[gone]  # removed, or saved again: a new task
@@ -2105,6 +2114,53 @@ def _set_aside(journal: Path, task: Task, why: str, node: int | None = None) -> 
     _tell_other_nodes(task, marker)
 
 
+def _set_aside_damaged_task(journal: Path, step: int, why: IntegrityError) -> None:
+    """Set aside the save whose task file (of ``step``) is damaged, as :func:`_set_aside`
+    does: the save is the one the node's BB record names (a new save of the step writes
+    a new task, and the marker then no longer applies).  Not collective."""
+    stand_in = _stand_in(journal, step)
+    marker = {
+        "time": None if stand_in is None else stand_in.save_time,
+        "why": str(why),
+        "node": None if stand_in is None else stand_in.node,
+        TASK_DAMAGED: True,
+    }
+    files.write_json_atomic(set_aside_path(journal, step), marker)
+    if stand_in is not None:
+        _tell_other_nodes(stand_in, marker)
+
+
+def _stand_in(journal: Path, step: int) -> Task | None:
+    """The task of ``step`` as the node's BB record (its node, its save) and the
+    journal's ``target.json`` (the PFS directory, the node count) tell it, for a step
+    whose task file is damaged; None if they cannot.  Not collective."""
+    bb_step_dir = journal.parent / layout.step_dirname(step)
+    try:
+        target = files.read_json(journal / TARGET) or {}
+        nodes = layout.nodes_in(bb_step_dir)
+        record = files.read_json(bb_step_dir / layout.node_record_name(nodes[0])) if nodes else None
+        return Task(
+            journal.parent.name,
+            step,
+            nodes[0],
+            int(target["nodes"]),
+            str(bb_step_dir),
+            str(Path(target["pfs_ckpt_dir"]) / layout.step_dirname(step)),
+            int(target["keep_pfs"]),
+            save_time=(record or {})["time"],
+        )
+    except (BBIOError, OSError, KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def _task_or_stand_in(journal: Path, step: int) -> Task | None:
+    """The task queued for ``step``, or its :func:`_stand_in` if its file is damaged."""
+    try:
+        return read_task(task_path(journal, step))
+    except IntegrityError:
+        return _stand_in(journal, step)
+
+
 def _tell_other_nodes(task: Task, marker: dict[str, Any]) -> bool:
     """Put ``marker`` (``task``'s save set aside) on the PFS unless one of that save is
     there; True if it is there now.  Never into a step directory that does not exist
@@ -2129,7 +2185,7 @@ def _announce_set_aside(journal: Path, announced: set[tuple[int, float | None]])
     done.  Not collective."""
     for step, marker in set_aside(journal).items():
         with contextlib.suppress(BBIOError):
-            task = read_task(task_path(journal, step))
+            task = _task_or_stand_in(journal, step)
             if task is None or task.save_time != marker.get("time") or _task_key(task) in announced:
                 continue  # saved again meanwhile, or said
             if _tell_other_nodes(task, marker):

@@ -17,7 +17,7 @@ import numpy as np
 
 from bbio import _native
 from bbio.checkpoint import layout
-from bbio.checkpoint.drain import read_manifest
+from bbio.checkpoint.drain import read_manifest, record_problem
 from bbio.checkpoint.globalview import decode_root_attrs, recorded_crc, recorded_crcs
 from bbio.errors import BBIOError, IntegrityError, NotFoundError, UsageError
 from bbio.transfer import files
@@ -83,7 +83,7 @@ def _bb_records(bb_ckpt_dir: Path, node: int | None) -> Iterator[tuple[int, int,
             except BBIOError as exc:  # damaged or unreadable: that copy does not count
                 yield step, n, exc
                 continue
-            problem = None if record is None else _record_problem(record)
+            problem = None if record is None else record_problem(record)
             if problem is not None:
                 record = IntegrityError(
                     f"the burst-buffer record is damaged: {problem}",
@@ -92,21 +92,6 @@ def _bb_records(bb_ckpt_dir: Path, node: int | None) -> Iterator[tuple[int, int,
                     "does not count: remove its step directory, or save the step again",
                 )
             yield step, n, record
-
-
-def _record_problem(record: dict[str, Any]) -> str | None:
-    """What makes ``record`` not a node record (its size, and its CRC32C once drained).
-    Pure."""
-    size, crc = record.get("size"), record.get("crc32c")
-    if not _is_count(size):
-        return f"size is {size!r}"
-    if crc is not None and not _is_count(crc):
-        return f"crc32c is {crc!r}"
-    return None
-
-
-def _is_count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def verify_file(path: Path, size: int | None, crc: int | None) -> None:
