@@ -20,8 +20,10 @@ import multiprocessing
 import os
 import pwd
 import shutil
+import stat
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from bbio.config import Config
 from bbio.errors import ConfigError, from_oserror
 
 ENDING_GRACE_SECONDS = 60.0  # after its timeout, the epilog's drain has this long to end
+KILLED_GRACE_SECONDS = 5.0  # then it is killed, and waited for this long (not if it hangs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,23 +105,51 @@ def job_dir(config: Config) -> Path:
 def journals_under(job_root: Path) -> list[Path]:
     """Every checkpoint journal under ``job_root`` (D/ckpt/NAME/.journal at any depth: the
     hooks run without MPI and cannot know a host's node index, and a checkpointer may
-    have been given its own ``bb_root`` there).  Symlinks are not followed, and the walk
-    keeps its own stack: a tree of any depth the job left is walked."""
-    found, stack = [], [job_root]
-    while stack:
-        directory = stack.pop()
+    have been given its own ``bb_root`` there).  Symlinks are not followed.  GNU
+    ``find`` walks the tree, relative to each directory: a tree of any depth the job
+    left, and paths longer than the system's limit, are walked."""
+    listing = subprocess.run(
+        ["find", "-P", os.fspath(job_root), "-type", "d", "-name", drain.JOURNAL, "-print0"],
+        capture_output=True,
+    )
+    if listing.returncode != 0:
+        raise ConfigError(
+            "could not look for checkpoint journals in the job's burst-buffer directory: "
+            + os.fsdecode(listing.stderr).strip(),
+            path=job_root,
+            hint="the directory is kept; look at it, then run the epilog again",
+        )
+    found = [Path(os.fsdecode(raw)) for raw in listing.stdout.split(b"\0") if raw]
+    return sorted(j for j in found if j.parent.parent.name == layout.CKPT_DIR)
+
+
+def check_parents(path: Path) -> None:
+    """Raise :class:`ConfigError` unless every directory above ``path`` is root's (or
+    this process's user's), and writable by no one else unless sticky (as ``/tmp``):
+    else a user could put a symlink there, and the hooks, as root, would hand the user
+    or delete a directory elsewhere.  A symlink among them must be root's too (its
+    target is then the site's choice).  Not collective."""
+    current = Path(path.anchor)
+    for part in path.parent.parts[1:]:
+        current = current / part
         try:
-            with os.scandir(directory) as entries:
-                subdirectories = [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
-        except FileNotFoundError:
-            continue  # removed meanwhile
+            info = os.lstat(current)
         except OSError as exc:
-            raise from_oserror(exc, "look for checkpoint journals in", directory) from None
-        for sub in subdirectories:
-            if sub.name == drain.JOURNAL and sub.parent.parent.name == layout.CKPT_DIR:
-                found.append(sub)
-            stack.append(sub)
-    return sorted(found)
+            raise from_oserror(exc, "look at a parent of the job's directory", current) from None
+        trusted = info.st_uid in (0, os.geteuid())
+        others_write = info.st_mode & stat.S_IWOTH or (
+            info.st_mode & stat.S_IWGRP and info.st_gid != 0
+        )
+        open_to_others = not stat.S_ISLNK(info.st_mode) and others_write
+        if not trusted or (open_to_others and not info.st_mode & stat.S_ISVTX):
+            raise ConfigError(
+                f"a parent of the job's burst-buffer directory is not root's alone: {current} "
+                f"is uid {info.st_uid}'s, mode {stat.filemode(info.st_mode)}",
+                path=path,
+                hint="make every directory above bb_root's {job} directory root's and "
+                "writable by root alone (or sticky, as /tmp); a user may have put it there "
+                "to have the hooks, as root, act elsewhere",
+            )
 
 
 def prolog(config: Config, job: Job) -> Path:
@@ -130,6 +161,7 @@ def prolog(config: Config, job: Job) -> Path:
     """
     path = job_dir(job_config(config, job))
     path.parent.mkdir(parents=True, exist_ok=True)
+    check_parents(path)
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700)
     try:
@@ -176,8 +208,9 @@ def epilog(config: Config, job: Job, timeout: float | None) -> Epilog:
     :class:`UsageError` for a negative or NaN ``timeout``."""
     timeout = seconds_argument("epilog: timeout", timeout)
     path = job_dir(job_config(config, job))
-    if not path.exists():
+    if not os.path.lexists(path):
         return Epilog(path, [], False)
+    check_parents(path)
     failed = _finish_as(job, journals_under(path), timeout)
     if failed:
         return Epilog(path, failed, False)
@@ -208,29 +241,39 @@ def _remove_tree(path: Path) -> None:
 
 
 def _finish_as(job: Job, journals: list[Path], timeout: float | None) -> list[str]:
-    """:func:`admin.finish_journals` of ``journals`` in a child process: as the job's user
-    when this runs as root (it drops root's privileges: the PFS sees the user's files),
-    and killed if it is not done ``ENDING_GRACE_SECONDS`` after ``timeout`` (a file
-    operation that never returns, on a hung PFS or a FIFO the job left, cannot hold the
-    node for ever: what it did not drain is reported and kept)."""
+    """:func:`admin.finish_journals` of each of ``journals`` in a child process of its
+    own, all at once: as the job's user when this runs as root (it drops root's
+    privileges: the PFS sees the user's files), and killed if it is not done
+    ``ENDING_GRACE_SECONDS`` after ``timeout`` (a file operation that never returns, on
+    a hung PFS or a FIFO the job left, can hold neither the node for ever nor the
+    other journals: what it did not drain is reported and kept).  A child killed is
+    waited for ``KILLED_GRACE_SECONDS`` at most: one stuck in the kernel is left."""
     if not journals:
         return []
     _load_drain_code()
     context = multiprocessing.get_context("fork")
-    receiving, sending = context.Pipe(duplex=False)
-    child = context.Process(target=_finish_in_child, args=(job, journals, timeout, sending))
-    child.start()
-    sending.close()
+    children = []
+    for journal in journals:
+        receiving, sending = context.Pipe(duplex=False)
+        child = context.Process(target=_finish_in_child, args=(job, [journal], timeout, sending))
+        child.start()
+        sending.close()
+        children.append((journal, child, receiving))
     limit = None if timeout is None else timeout + ENDING_GRACE_SECONDS
-    try:
-        if receiving.poll(limit):
-            failed = receiving.recv()
-        else:
-            child.kill()
-            failed = [f"{j} (not drained within {limit:.0f} s: killed)" for j in journals]
-    except EOFError:  # the child died before it could answer
-        failed = [f"{j} (the drain as user {job.user} ended abnormally)" for j in journals]
-    child.join(ENDING_GRACE_SECONDS)  # one stuck in the kernel is left behind
+    deadline = None if limit is None else time.monotonic() + limit
+    failed = []
+    for journal, child, receiving in children:
+        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+        try:
+            if receiving.poll(left):
+                failed += receiving.recv()
+            else:
+                child.kill()
+                failed.append(f"{journal} (not drained within {limit:.0f} s: killed)")
+        except EOFError:  # the child died before it could answer
+            failed.append(f"{journal} (the drain as user {job.user} ended abnormally)")
+    for _, child, _ in children:
+        child.join(KILLED_GRACE_SECONDS)
     return failed
 
 

@@ -221,6 +221,24 @@ def test_a_damaged_task_file_is_named_and_the_other_steps_are_drained(tmp_path, 
     assert "step 2 will not be committed: set aside on this node" in waited.stderr
 
 
+def test_a_damaged_task_file_of_a_committed_save_is_removed(tmp_path, job):
+    """Before, its save was set aside: ``damaged.json`` beside the committed manifest,
+    ``verify`` failing, and the epilog failing and draining the node."""
+    from bbio.checkpoint import drain, layout
+
+    saved = run_mpi(4, str(job), str(tmp_path), "save")
+    assert saved.returncode == 0, saved.stdout + saved.stderr
+    damaged = drain.task_path(drain.journal_dir(tmp_path / "bb" / "0" / "ckpt" / "run"), 2)
+    damaged.write_text(json.dumps({"name": "run", "step": 2}))
+    finished = bbio_ckpt(tmp_path, "drain", "--finish", "--timeout", "30")
+    assert finished.returncode == 0, finished.stderr
+    assert "(removed: its save is committed)" in finished.stderr, finished.stderr
+    pfs_step = tmp_path / "pfs" / "ckpt" / "run" / layout.step_dirname(2)
+    assert not damaged.exists() and not drain.damaged_on_pfs(pfs_step).exists()
+    verified = bbio_ckpt(tmp_path, "verify", "run")
+    assert verified.returncode == 0, verified.stderr
+
+
 @pytest.mark.parametrize("action", ["wait", "drain"])
 @pytest.mark.parametrize("timeout", ["nan", "-5"])
 def test_a_timeout_that_is_not_seconds_is_refused(tmp_path, action, timeout):

@@ -165,12 +165,14 @@ def nest(root: Path, depth: int) -> Path:
 
 @as_root
 def test_a_job_directory_deeper_than_python_recurses_is_drained_and_removed(site):
+    """Before, a path longer than PATH_MAX in it failed the epilog for good ("File name
+    too long" while looking for journals), and the node stayed drained."""
     env = hook_env(site)
     assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
     job_dir = site / "local" / "nobody" / "bbio-4242"
     two_node_save(job_dir, 7, 1.5, pfs_root=site / "pfs")
     (job_dir / "deep").mkdir()
-    nest(job_dir / "deep", 1200)
+    nest(job_dir / "deep", 2100)  # a path of over 4200 characters: longer than PATH_MAX
     chown_tree(job_dir, JOB.uid, JOB.gid)
     removed = run_python("-m", "bbio", "slurm", "epilog", "--timeout", "60", env=env)
     assert removed.returncode == 0, removed.stderr[-2000:]
@@ -181,7 +183,9 @@ def test_a_job_directory_deeper_than_python_recurses_is_drained_and_removed(site
 @as_root
 def test_an_epilog_stuck_on_a_fifo_the_job_left_ends_at_its_timeout(site):
     """A record replaced by a FIFO: the drain's open() never returns.  The epilog must
-    end, keep the data and fail, not hold the node for ever."""
+    end, keep the data and fail, not hold the node for ever, and drain the other
+    journals meanwhile (before, one child drained them one after another, and the
+    other node's journal was never tried)."""
     env = hook_env(site)
     assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
     job_dir = site / "local" / "nobody" / "bbio-4242"
@@ -199,3 +203,32 @@ def test_an_epilog_stuck_on_a_fifo_the_job_left_ends_at_its_timeout(site):
     assert result.returncode == 1, result.stderr[-2000:]
     assert "not drained within 5 s: killed" in result.stderr and "is kept" in result.stderr
     assert job_dir.exists()
+    assert str(journals[0]) in result.stderr and str(journals[1]) not in result.stderr
+    assert (site / "pfs" / layout.step_dirname(7) / layout.node_record_name(1)).exists()
+
+
+@as_root
+@pytest.mark.parametrize("planted", ["symlink", "directory"])
+def test_the_hooks_refuse_a_parent_of_the_job_directory_that_a_user_owns(site, planted):
+    """``bb_root`` under a sticky, world-writable directory (as /tmp): a user who makes
+    its next component first, a symlink to a directory of root's, had the prolog hand
+    that directory's job subdirectory over and the epilog delete it."""
+    shared = site / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    victim = site / "victim"
+    (victim / JOB.id).mkdir(parents=True)
+    (victim / JOB.id / "important").write_text("root's")
+    planted_path = shared / "bbio"
+    if planted == "symlink":
+        planted_path.symlink_to(victim)
+    else:  # with a job directory in it, which the epilog would drain and delete
+        (planted_path / JOB.id).mkdir(parents=True)
+    os.lchown(planted_path, JOB.uid, JOB.gid)
+    env = {**hook_env(site), "BBIO_BB_ROOT": str(shared / "bbio" / "{job}")}
+    for hook in ("prolog", "epilog"):
+        refused = run_python("-m", "bbio", "slurm", hook, env=env)
+        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+        assert f"{planted_path} is uid {JOB.uid}'s" in refused.stderr, refused.stderr
+    assert (victim / JOB.id / "important").read_text() == "root's"
+    assert (victim / JOB.id).stat().st_uid == 0

@@ -2028,8 +2028,10 @@ def _drain(
                 announced_at = time.monotonic()
             tasks, damaged = read_queue(journal)
             for step, why in damaged.items():  # never drainable: set aside, not retried
-                _set_aside_damaged_task(journal, step, why)
-                print(f"bbio drain: {why} (set aside, not retried)", file=sys.stderr)
+                if _set_aside_damaged_task(journal, step, why):
+                    print(f"bbio drain: {why} (set aside, not retried)", file=sys.stderr)
+                else:
+                    print(f"bbio drain: {why} (removed: its save is committed)", file=sys.stderr)
             if damaged:
                 commits.report()
             with commits.lock:
@@ -2064,7 +2066,7 @@ def _drain(
                             f"bbio drain: step {step} set aside: {marker.get('why')}",
                             file=sys.stderr,
                         )
-                    return 1 if aside or (finish and damaged) else 0
+                    return 1 if aside else 0
                 waker.pause(POLL_SECONDS)
                 continue
             if not ready:  # every task waits for its next try
@@ -2114,11 +2116,22 @@ def _set_aside(journal: Path, task: Task, why: str, node: int | None = None) -> 
     _tell_other_nodes(task, marker)
 
 
-def _set_aside_damaged_task(journal: Path, step: int, why: IntegrityError) -> None:
+def _set_aside_damaged_task(journal: Path, step: int, why: IntegrityError) -> bool:
     """Set aside the save whose task file (of ``step``) is damaged, as :func:`_set_aside`
     does: the save is the one the node's BB record names (a new save of the step writes
-    a new task, and the marker then no longer applies).  Not collective."""
+    a new task, and the marker then no longer applies).  If that save is committed on
+    the PFS, the task file is removed instead (False): there is nothing left to drain.
+    Not collective."""
     stand_in = _stand_in(journal, step)
+    if stand_in is not None and committed_save(Path(stand_in.pfs_step_dir), stand_in.save_time):
+        path = task_path(journal, step)
+        with records_locked(journal):  # not while a new save of the step queues its task
+            try:
+                read_task(path)  # a new save's task meanwhile: that one is drained
+            except IntegrityError:
+                path.unlink(missing_ok=True)
+        _wake_waiters(journal)
+        return False
     marker = {
         "time": None if stand_in is None else stand_in.save_time,
         "why": str(why),
@@ -2128,6 +2141,7 @@ def _set_aside_damaged_task(journal: Path, step: int, why: IntegrityError) -> No
     files.write_json_atomic(set_aside_path(journal, step), marker)
     if stand_in is not None:
         _tell_other_nodes(stand_in, marker)
+    return True
 
 
 def _stand_in(journal: Path, step: int) -> Task | None:
