@@ -272,8 +272,9 @@ def _finish_as(job: Job, journals: list[Path], timeout: float | None) -> list[st
                 failed.append(f"{journal} (not drained within {limit:.0f} s: killed)")
         except EOFError:  # the child died before it could answer
             failed.append(f"{journal} (the drain as user {job.user} ended abnormally)")
+    joined_by = time.monotonic() + KILLED_GRACE_SECONDS
     for _, child, _ in children:
-        child.join(KILLED_GRACE_SECONDS)
+        child.join(max(joined_by - time.monotonic(), 0.0))
     return failed
 
 
