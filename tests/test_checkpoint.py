@@ -322,9 +322,9 @@ def test_a_restore_lists_again_when_retention_removes_the_step_it_reads(
     with bbio.Checkpointer(comm, "race", keep_pfs=1, config=config) as ckpt:
         ckpt.save(1, state(1, rank)).wait(timeout=60)
         drains = stop_idle_drains(comm, ckpt)
-        ckpt.save(2, state(2, rank))  # queued: only in the burst buffers when restore lists
-        monkeypatch.setattr(reader, "verify_file", once_step_1_is_retired)
         try:
+            ckpt.save(2, state(2, rank))  # queued: only in the burst buffers when listed
+            monkeypatch.setattr(reader, "verify_file", once_step_1_is_retired)
             step, arrays, _ = ckpt.restore(from_rank=rank)  # reads the PFS copies
         finally:
             for pid in drains:

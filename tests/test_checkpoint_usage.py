@@ -203,13 +203,15 @@ def test_a_damaged_task_file_sets_its_save_aside_on_every_node(comm, shared_tmp)
     ckpt = bbio.Checkpointer(comm, "j", config=config)
     ckpt.save(1, state(1, rank)).wait(timeout=60)
     drains = stop_idle_drains(comm, ckpt)
-    handle = ckpt.save(2, state(2, rank))  # queued; no drain has looked at it
-    damaged = drain.task_path(ckpt.journal, 2)
-    if rank == comm.Get_size() - 1:  # on the last node
-        damaged.write_text("{not json")
-    comm.Barrier()
-    for pid in drains:
-        os.kill(pid, signal.SIGCONT)
+    try:
+        handle = ckpt.save(2, state(2, rank))  # queued; no drain has looked at it
+        damaged = drain.task_path(ckpt.journal, 2)
+        if rank == comm.Get_size() - 1:  # on the last node
+            damaged.write_text("{not json")
+        comm.Barrier()
+    finally:
+        for pid in drains:
+            os.kill(pid, signal.SIGCONT)
     started = time.monotonic()
     with pytest.raises(bbio.IntegrityError) as info:
         handle.wait(timeout=60)
