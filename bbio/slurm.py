@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import errno
 import multiprocessing
+import multiprocessing.connection
 import os
 import pwd
 import shutil
@@ -34,6 +35,7 @@ from bbio.errors import ConfigError, from_oserror
 
 ENDING_GRACE_SECONDS = 60.0  # after its timeout, the epilog's drain has this long to end
 KILLED_GRACE_SECONDS = 5.0  # then it is killed, and waited for this long (not if it hangs)
+DRAINS_AT_ONCE = 8  # journals drained at once, each in a process of its own
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,11 +113,17 @@ def journals_under(job_root: Path) -> list[Path]:
     listing = subprocess.run(
         ["find", "-P", os.fspath(job_root), "-type", "d", "-name", drain.JOURNAL, "-print0"],
         capture_output=True,
+        env={**os.environ, "LC_ALL": "C"},  # its messages in English, as read below
     )
-    if listing.returncode != 0:
+    problems = [
+        line
+        for line in os.fsdecode(listing.stderr).splitlines()
+        if not line.endswith("No such file or directory")  # removed during the walk
+    ]
+    if listing.returncode != 0 and problems:
         raise ConfigError(
             "could not look for checkpoint journals in the job's burst-buffer directory: "
-            + os.fsdecode(listing.stderr).strip(),
+            + "; ".join(problems),
             path=job_root,
             hint="the directory is kept; look at it, then run the epilog again",
         )
@@ -123,33 +131,50 @@ def journals_under(job_root: Path) -> list[Path]:
     return sorted(j for j in found if j.parent.parent.name == layout.CKPT_DIR)
 
 
-def check_parents(path: Path) -> None:
+def check_parents(path: Path, make: bool = False) -> None:
     """Raise :class:`ConfigError` unless every directory above ``path`` is root's (or
-    this process's user's), and writable by no one else unless sticky (as ``/tmp``):
-    else a user could put a symlink there, and the hooks, as root, would hand the user
-    or delete a directory elsewhere.  A symlink among them must be root's too (its
-    target is then the site's choice).  Not collective."""
+    this process's user's), and writable by no one else unless sticky (as ``/tmp``),
+    and has no ACL: else a user could put a symlink there, and the hooks, as root,
+    would hand the user or delete a directory elsewhere.  A symlink among them must be
+    root's too (its target is then the site's choice).  With ``make``, a missing one is
+    created (mode 0755), each only once the ones above it passed.  Not collective."""
     current = Path(path.anchor)
     for part in path.parent.parts[1:]:
         current = current / part
-        try:
-            info = os.lstat(current)
-        except OSError as exc:
-            raise from_oserror(exc, "look at a parent of the job's directory", current) from None
-        trusted = info.st_uid in (0, os.geteuid())
-        others_write = info.st_mode & stat.S_IWOTH or (
-            info.st_mode & stat.S_IWGRP and info.st_gid != 0
+        if make:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(current, 0o755)
+        _check_parent(current, path)
+
+
+def _check_parent(parent: Path, path: Path) -> None:
+    """:func:`check_parents` of one directory ``parent`` above ``path``."""
+    try:
+        info = os.lstat(parent)
+    except OSError as exc:
+        raise from_oserror(exc, "look at a parent of the job's directory", parent) from None
+    link = stat.S_ISLNK(info.st_mode)
+    trusted = info.st_uid in (0, os.geteuid())
+    others_write = info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_gid != 0)
+    open_to_others = not link and (others_write or _has_acl(parent))
+    if not trusted or (open_to_others and not info.st_mode & stat.S_ISVTX):
+        raise ConfigError(
+            f"a parent of the job's burst-buffer directory is not root's alone: {parent} "
+            f"is uid {info.st_uid}'s, mode {stat.filemode(info.st_mode)}"
+            + (", with an ACL" if not link and _has_acl(parent) else ""),
+            path=path,
+            hint="make every directory above bb_root's {job} directory root's and "
+            "writable by root alone (or sticky, as /tmp), without ACLs; a user may have "
+            "put it there to have the hooks, as root, act elsewhere",
         )
-        open_to_others = not stat.S_ISLNK(info.st_mode) and others_write
-        if not trusted or (open_to_others and not info.st_mode & stat.S_ISVTX):
-            raise ConfigError(
-                f"a parent of the job's burst-buffer directory is not root's alone: {current} "
-                f"is uid {info.st_uid}'s, mode {stat.filemode(info.st_mode)}",
-                path=path,
-                hint="make every directory above bb_root's {job} directory root's and "
-                "writable by root alone (or sticky, as /tmp); a user may have put it there "
-                "to have the hooks, as root, act elsewhere",
-            )
+
+
+def _has_acl(directory: Path) -> bool:
+    """Does ``directory`` carry a POSIX access ACL (which may let users write in it)?"""
+    try:
+        return "system.posix_acl_access" in os.listxattr(directory, follow_symlinks=False)
+    except OSError:  # no extended attributes on this file system: no ACL
+        return False
 
 
 def prolog(config: Config, job: Job) -> Path:
@@ -160,8 +185,7 @@ def prolog(config: Config, job: Job) -> Path:
     symlinks, so that nothing swapped in meanwhile is handed to the user.
     """
     path = job_dir(job_config(config, job))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    check_parents(path)
+    check_parents(path, make=True)
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700)
     try:
@@ -242,39 +266,51 @@ def _remove_tree(path: Path) -> None:
 
 def _finish_as(job: Job, journals: list[Path], timeout: float | None) -> list[str]:
     """:func:`admin.finish_journals` of each of ``journals`` in a child process of its
-    own, all at once: as the job's user when this runs as root (it drops root's
-    privileges: the PFS sees the user's files), and killed if it is not done
-    ``ENDING_GRACE_SECONDS`` after ``timeout`` (a file operation that never returns, on
-    a hung PFS or a FIFO the job left, can hold neither the node for ever nor the
-    other journals: what it did not drain is reported and kept).  A child killed is
-    waited for ``KILLED_GRACE_SECONDS`` at most: one stuck in the kernel is left."""
+    own, up to ``DRAINS_AT_ONCE`` at a time: as the job's user when this runs as root
+    (it drops root's privileges: the PFS sees the user's files), and killed if it is
+    not done ``ENDING_GRACE_SECONDS`` after ``timeout`` (a file operation that never
+    returns, on a hung PFS or a FIFO the job left, can hold neither the node for ever
+    nor the other journals: what it did not drain is reported and kept).  Children
+    killed are waited for ``KILLED_GRACE_SECONDS`` in all: one stuck in the kernel is
+    left."""
     if not journals:
         return []
     _load_drain_code()
     context = multiprocessing.get_context("fork")
-    children = []
-    for journal in journals:
-        receiving, sending = context.Pipe(duplex=False)
-        child = context.Process(target=_finish_in_child, args=(job, [journal], timeout, sending))
-        child.start()
-        sending.close()
-        children.append((journal, child, receiving))
     limit = None if timeout is None else timeout + ENDING_GRACE_SECONDS
     deadline = None if limit is None else time.monotonic() + limit
-    failed = []
-    for journal, child, receiving in children:
-        left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
-        try:
-            if receiving.poll(left):
-                failed += receiving.recv()
-            else:
-                child.kill()
-                failed.append(f"{journal} (not drained within {limit:.0f} s: killed)")
-        except EOFError:  # the child died before it could answer
-            failed.append(f"{journal} (the drain as user {job.user} ended abnormally)")
-    joined_by = time.monotonic() + KILLED_GRACE_SECONDS
-    for _, child, _ in children:
-        child.join(max(joined_by - time.monotonic(), 0.0))
+    waiting, running, ended, failed = list(journals), {}, [], []
+    try:
+        while waiting or running:
+            while waiting and len(running) < DRAINS_AT_ONCE:
+                journal = waiting.pop(0)
+                receiving, sending = context.Pipe(duplex=False)
+                child = context.Process(
+                    target=_finish_in_child, args=(job, [journal], timeout, sending)
+                )
+                child.start()
+                sending.close()
+                running[receiving] = (journal, child)
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            for receiving in multiprocessing.connection.wait(list(running), left):
+                journal, child = running.pop(receiving)
+                ended.append(child)
+                try:
+                    failed += receiving.recv()
+                except EOFError:  # the child died before it could answer
+                    failed.append(f"{journal} (the drain as user {job.user} ended abnormally)")
+    finally:  # the time is up, or this process failed: no child is left draining
+        cut_short = "not drained" if limit is None else f"not drained within {limit:.0f} s"
+        for journal, child in running.values():
+            child.kill()
+            ended.append(child)
+            failed.append(f"{journal} ({cut_short}: killed)")
+        failed += [f"{journal} ({cut_short}: not begun)" for journal in waiting]
+        joined_by = time.monotonic() + KILLED_GRACE_SECONDS
+        for child in ended:
+            child.join(max(joined_by - time.monotonic(), 0.0))
     return failed
 
 

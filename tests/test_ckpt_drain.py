@@ -1849,3 +1849,17 @@ def test_a_burst_buffer_record_that_cannot_be_read_passes_its_copy_over(tmp_path
     assert sorted(restore.bb_copies(bb_ckpt_dir, 0)) == [8]
     (problem,) = restore.damaged_bb_records(bb_ckpt_dir, 0)
     assert isinstance(problem, BBIOError) and str(record) in str(problem)
+
+
+def test_a_damaged_task_file_replaced_by_a_new_save_is_not_set_aside(tmp_path):
+    """The drain read a damaged task file; a new save of the step then queued its own task
+    before the drain set the save aside.  Before, that new save was set aside (its record
+    named it), and every node's wait for it raised."""
+    journal = two_node_save(tmp_path / "bb", 5, 2.0)[0]
+    why = IntegrityError("the file is damaged")
+    assert drain._set_aside_damaged_task(journal, 5, why) is None  # the task reads well now
+    assert drain.set_aside(journal) == {} and [t.step for t in drain.pending(journal)] == [5]
+    drain.task_path(journal, 5).write_text("{not json")
+    assert drain._set_aside_damaged_task(journal, 5, why) == "set aside"
+    assert drain.set_aside(journal)[5][drain.TASK_DAMAGED] is True
+    assert drain.read_queue(journal) == ([], {})

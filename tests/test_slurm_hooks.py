@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import struct
 import subprocess
 import tempfile
 import time
@@ -211,24 +212,71 @@ def test_an_epilog_stuck_on_a_fifo_the_job_left_ends_at_its_timeout(site):
 @pytest.mark.parametrize("planted", ["symlink", "directory"])
 def test_the_hooks_refuse_a_parent_of_the_job_directory_that_a_user_owns(site, planted):
     """``bb_root`` under a sticky, world-writable directory (as /tmp): a user who makes
-    its next component first, a symlink to a directory of root's, had the prolog hand
-    that directory's job subdirectory over and the epilog delete it."""
+    its next component first, a symlink to a directory of root's, had the prolog make
+    directories there, hand the job's over, and the epilog delete it."""
     shared = site / "shared"
     shared.mkdir()
     shared.chmod(0o1777)
     victim = site / "victim"
-    (victim / JOB.id).mkdir(parents=True)
-    (victim / JOB.id / "important").write_text("root's")
+    victim.mkdir()
     planted_path = shared / "bbio"
     if planted == "symlink":
         planted_path.symlink_to(victim)
-    else:  # with a job directory in it, which the epilog would drain and delete
-        (planted_path / JOB.id).mkdir(parents=True)
+    else:
+        planted_path.mkdir()
     os.lchown(planted_path, JOB.uid, JOB.gid)
-    env = {**hook_env(site), "BBIO_BB_ROOT": str(shared / "bbio" / "{job}")}
-    for hook in ("prolog", "epilog"):
-        refused = run_python("-m", "bbio", "slurm", hook, env=env)
-        assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
-        assert f"{planted_path} is uid {JOB.uid}'s" in refused.stderr, refused.stderr
-    assert (victim / JOB.id / "important").read_text() == "root's"
-    assert (victim / JOB.id).stat().st_uid == 0
+    env = {**hook_env(site), "BBIO_BB_ROOT": str(shared / "bbio" / "{user}" / "{job}")}
+    refused = run_python("-m", "bbio", "slurm", "prolog", env=env)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert f"{planted_path} is uid {JOB.uid}'s" in refused.stderr, refused.stderr
+    assert not (victim / JOB.user).exists()  # before: made there, through the symlink
+    job_dir = planted_path / JOB.user / JOB.id  # as if a job had left it there
+    job_dir.mkdir(parents=True)
+    (job_dir / "important").write_text("root's")
+    refused = run_python("-m", "bbio", "slurm", "epilog", env=env)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert f"{planted_path} is uid {JOB.uid}'s" in refused.stderr, refused.stderr
+    assert (job_dir / "important").read_text() == "root's"
+
+
+@as_root
+def test_the_hooks_refuse_a_parent_with_an_acl(site):
+    """A directory of root's, mode 0755, whose ACL lets the user write in it (it shows as
+    0775 with group root): before, accepted."""
+    parent = site / "acl"
+    parent.mkdir(mode=0o755)
+    entries = [(0x01, 7, 0xFFFFFFFF), (0x02, 7, JOB.uid), (0x04, 5, 0xFFFFFFFF)]
+    entries += [(0x10, 7, 0xFFFFFFFF), (0x20, 5, 0xFFFFFFFF)]  # mask, other
+    acl = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *entry) for entry in entries)
+    try:
+        os.setxattr(parent, "system.posix_acl_access", acl)
+    except OSError as exc:
+        pytest.skip(f"no POSIX ACLs here: {exc}")
+    env = {**hook_env(site), "BBIO_BB_ROOT": str(parent / "{job}")}
+    refused = run_python("-m", "bbio", "slurm", "prolog", env=env)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
+    assert f"{parent} is uid 0's, mode drwxrwxr-x, with an ACL" in refused.stderr
+
+
+@as_root
+def test_the_epilog_drains_many_journals_a_few_at_a_time(site):
+    """One child per journal, at most ``DRAINS_AT_ONCE`` at a time: a job that left many
+    (empty) journals is drained and removed (before, a child each at once ran out of
+    file descriptors, and left the children it had started running)."""
+    env = hook_env(site)
+    assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
+    job_dir = site / "local" / "nobody" / "bbio-4242"
+    for name in range(2 * slurm.DRAINS_AT_ONCE + 1):
+        drain.journal_dir(job_dir / "0" / layout.CKPT_DIR / f"c{name}").mkdir(parents=True)
+    chown_tree(job_dir, JOB.uid, JOB.gid)
+    removed = run_python("-m", "bbio", "slurm", "epilog", "--timeout", "60", env=env)
+    assert removed.returncode == 0, removed.stderr[-2000:]
+    assert not job_dir.exists()
+
+
+def test_find_s_message_for_a_directory_removed_during_the_walk_is_not_a_failure(tmp_path):
+    """A job's process that removes a directory while the epilog walks the tree: before,
+    ``find``'s "No such file or directory" failed the epilog."""
+    (tmp_path / "a" / "ckpt" / "x" / drain.JOURNAL).mkdir(parents=True)
+    assert slurm.journals_under(tmp_path) == [tmp_path / "a" / "ckpt" / "x" / drain.JOURNAL]
+    assert slurm.journals_under(tmp_path / "gone") == []

@@ -2028,9 +2028,10 @@ def _drain(
                 announced_at = time.monotonic()
             tasks, damaged = read_queue(journal)
             for step, why in damaged.items():  # never drainable: set aside, not retried
-                if _set_aside_damaged_task(journal, step, why):
+                done = _set_aside_damaged_task(journal, step, why)
+                if done == "set aside":
                     print(f"bbio drain: {why} (set aside, not retried)", file=sys.stderr)
-                else:
+                elif done == "removed":
                     print(f"bbio drain: {why} (removed: its save is committed)", file=sys.stderr)
             if damaged:
                 commits.report()
@@ -2116,32 +2117,44 @@ def _set_aside(journal: Path, task: Task, why: str, node: int | None = None) -> 
     _tell_other_nodes(task, marker)
 
 
-def _set_aside_damaged_task(journal: Path, step: int, why: IntegrityError) -> bool:
+def _set_aside_damaged_task(journal: Path, step: int, why: IntegrityError) -> str | None:
     """Set aside the save whose task file (of ``step``) is damaged, as :func:`_set_aside`
     does: the save is the one the node's BB record names (a new save of the step writes
     a new task, and the marker then no longer applies).  If that save is committed on
-    the PFS, the task file is removed instead (False): there is nothing left to drain.
-    Not collective."""
+    the PFS, the task file is removed instead: there is nothing left to drain.  Returns
+    what was done, "set aside" or "removed", or None if a new save of the step queued
+    its own task or record meanwhile (looked at again).  The file is looked at again
+    under :func:`records_locked`, which a save holds while it queues its task and writes
+    its record.  Not collective."""
     stand_in = _stand_in(journal, step)
-    if stand_in is not None and committed_save(Path(stand_in.pfs_step_dir), stand_in.save_time):
-        path = task_path(journal, step)
-        with records_locked(journal):  # not while a new save of the step queues its task
-            try:
-                read_task(path)  # a new save's task meanwhile: that one is drained
-            except IntegrityError:
-                path.unlink(missing_ok=True)
+    committed = stand_in is not None and committed_save(
+        Path(stand_in.pfs_step_dir), stand_in.save_time
+    )
+    path = task_path(journal, step)
+    with records_locked(journal):
+        try:
+            read_task(path)
+            return None  # a new save's task: drained as any
+        except IntegrityError:
+            pass
+        if _stand_in(journal, step) != stand_in:
+            return None  # a new save's record: its task comes next
+        if committed:
+            path.unlink(missing_ok=True)
+        else:
+            marker = {
+                "time": None if stand_in is None else stand_in.save_time,
+                "why": str(why),
+                "node": None if stand_in is None else stand_in.node,
+                TASK_DAMAGED: True,
+            }
+            files.write_json_atomic(set_aside_path(journal, step), marker)
+    if committed:
         _wake_waiters(journal)
-        return False
-    marker = {
-        "time": None if stand_in is None else stand_in.save_time,
-        "why": str(why),
-        "node": None if stand_in is None else stand_in.node,
-        TASK_DAMAGED: True,
-    }
-    files.write_json_atomic(set_aside_path(journal, step), marker)
+        return "removed"
     if stand_in is not None:
         _tell_other_nodes(stand_in, marker)
-    return True
+    return "set aside"
 
 
 def _stand_in(journal: Path, step: int) -> Task | None:
