@@ -17,7 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from bbio.errors import ConfigError, UsageError
+from bbio.arguments import integer_argument
+from bbio.errors import ConfigError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -167,8 +168,8 @@ class Config:
     def expand(self, template: str | os.PathLike, node: int | None = None) -> Path:
         """``template`` with {job}, {user} and (given a node) {node} replaced.  Raises
         :class:`UsageError` for a node that is not an index (an int of at least 0)."""
-        if node is not None and (isinstance(node, bool) or not isinstance(node, int) or node < 0):
-            raise UsageError(f"node must be a node index (an integer of at least 0), not {node!r}")
+        if node is not None:
+            integer_argument("node", node, 0)
         return Path(self._expand(os.fspath(template), node=node))
 
     def node_dir(self, template: str | os.PathLike, node: int, nodes_on_host: int) -> Path:

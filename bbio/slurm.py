@@ -156,12 +156,13 @@ def _check_parent(parent: Path, path: Path) -> None:
     link = stat.S_ISLNK(info.st_mode)
     trusted = info.st_uid in (0, os.geteuid())
     others_write = info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_gid != 0)
-    open_to_others = not link and (others_write or _has_acl(parent))
+    acl = not link and _has_acl(parent)
+    open_to_others = not link and (others_write or acl)
     if not trusted or (open_to_others and not info.st_mode & stat.S_ISVTX):
         raise ConfigError(
             f"a parent of the job's burst-buffer directory is not root's alone: {parent} "
             f"is uid {info.st_uid}'s, mode {stat.filemode(info.st_mode)}"
-            + (", with an ACL" if not link and _has_acl(parent) else ""),
+            + (", with an ACL" if acl else ""),
             path=path,
             hint="make every directory above bb_root's {job} directory root's and "
             "writable by root alone (or sticky, as /tmp), without ACLs; a user may have "

@@ -684,8 +684,11 @@ class Checkpointer:
             def trim() -> tuple[int, int] | None:
                 if not self.topo.is_leader or need[self.node] <= free[self.node]:
                     return None
+                drain.drop_spares(self.bb_dir, self.node)
                 for keep in range(self.keep_bb - 1, -1, -1):  # then one more, oldest first
-                    self._trim_bb(keep)
+                    drain.trim_bb(
+                        self.bb_dir, self.node, keep, self.pfs_dir, self.journal, recycle=False
+                    )
                     left = files.free_bytes(self.bb_dir)
                     if need[self.node] <= left:
                         break
@@ -705,12 +708,6 @@ class Checkpointer:
             )
         self._said_direct = self._said_direct or bool(short)
         return not short
-
-    def _trim_bb(self, keep: int) -> None:
-        """Delete this node's oldest drained BB copies beyond ``keep``, and its spares
-        (not collective: a node leader)."""
-        drain.trim_bb(self.bb_dir, self.node, keep, self.pfs_dir, self.journal, recycle=False)
-        drain.drop_spares(self.bb_dir, self.node)
 
     def _start_drain(self) -> None:
         if self._drain is not None and self._drain.poll() is None:

@@ -402,7 +402,7 @@ def _task_problem(document: dict[str, Any], step: int | None) -> str | None:
     if missing or unknown:
         return f"fields missing: {missing}, fields not a task's: {unknown}"
     for name, value in document.items():
-        if isinstance(value, bool) or not isinstance(value, _TASK_TYPES[name]):
+        if _mistyped(value, _TASK_TYPES[name]):
             return f"{name} is {value!r}"
     if document.get("verify", "cache") not in ("cache", "device"):
         return f"verify is {document['verify']!r}"
@@ -570,6 +570,11 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _mistyped(value: object, kinds: tuple[type, ...]) -> bool:
+    """Is ``value`` of none of ``kinds`` (a JSON ``true`` is not an int)?"""
+    return isinstance(value, bool) or not isinstance(value, kinds)
+
+
 _MANIFEST_TYPES: dict[str, tuple[type, ...]] = {
     "step": (int,),
     "time": (int, float),
@@ -590,27 +595,22 @@ def manifest_problem(document: dict[str, Any], step: int | None) -> str | None:
     if document.get("format") != MANIFEST_FORMAT:
         return f"its format is {document.get('format')!r}, not {MANIFEST_FORMAT!r}"
     for name, kinds in _MANIFEST_TYPES.items():
-        value = document.get(name)
-        if isinstance(value, bool) or not isinstance(value, kinds):
-            return f"{name} is {value!r}"
+        if _mistyped(document.get(name), kinds):
+            return f"{name} is {document.get(name)!r}"
     if step is not None and document["step"] != step:
         return f"it is the manifest of step {document['step']}"
     nodes, rank_nodes = document["nodes"], document["rank_nodes"]
     if document["layout"] not in (layout.PER_RANK, layout.GLOBAL):
         return f"layout is {document['layout']!r}"
     if len(rank_nodes) != document["ranks"] or not all(
-        isinstance(n, int) and not isinstance(n, bool) and 0 <= n < nodes for n in rank_nodes
+        _is_count(n) and n < nodes for n in rank_nodes
     ):
         return f"rank_nodes {rank_nodes!r} is not a node of each of {document['ranks']} ranks"
     paths = []
     for entry in document["files"]:
         fields = entry if isinstance(entry, dict) else {}
-        if not (
-            isinstance(fields.get("path"), str)
-            and all(
-                isinstance(fields.get(k), int) and not isinstance(fields.get(k), bool)
-                for k in ("size", "crc32c")
-            )
+        if not isinstance(fields.get("path"), str) or not all(
+            _is_count(fields.get(k)) for k in ("size", "crc32c")
         ):
             return f"a file entry is {entry!r}, not its path, size and crc32c"
         paths.append(fields["path"])
