@@ -296,9 +296,17 @@ def _add_transfer_options(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``bbio`` command."""
-    parser = argparse.ArgumentParser(prog="bbio", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="bbio",
+        description="bbio: stage data between the PFS and node-local burst buffers, and "
+        "look after checkpoints (run the MPI commands under mpirun or srun).",
+        epilog="Docs: README.md, docs/staging.md, docs/checkpoints.md, docs/configuration.md.",
+    )
     parser.add_argument("--version", action="version", version=f"bbio {__version__}")
-    parser.add_argument("--config", help="TOML config file (default: $BBIO_CONFIG)")
+    parser.add_argument(
+        "--config",
+        help="TOML config file (default: $BBIO_CONFIG, else /etc/bbio/bbio.toml if it exists)",
+    )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     info = commands.add_parser("info", help="versions, capabilities and configured roots (no MPI)")
     info.set_defaults(run=_cmd_info)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import getpass
 import os
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -29,10 +30,15 @@ SITE_CONFIG_FILE = Path("/etc/bbio/bbio.toml")
 ENV_PREFIX = "BBIO_"
 
 
-def _setting(default: Any, help: str, choices: tuple[str, ...] = (), minimum: int = 1) -> Any:
-    return dataclasses.field(
-        default=default, metadata={"help": help, "choices": choices, "minimum": minimum}
-    )
+def _setting(
+    default: Any,
+    help: str,
+    choices: tuple[str, ...] = (),
+    minimum: int = 1,
+    maximum: int | None = None,
+) -> Any:
+    metadata = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +114,7 @@ class Config:
         "percent of the read requests (or another node's burst buffer holds the data); "
         "otherwise each rank reads its own samples directly.  0: always aggregate.",
         minimum=0,
+        maximum=100,
     )
     read_direct_bytes: int = _setting(
         1 << 20,
@@ -226,9 +233,11 @@ def _convert(name: str, raw: Any, source: str) -> Any:
                 f"{source}: {name} must be an integer, got {raw!r}",
                 hint=f"fix {name} in {source}",
             ) from None
-        minimum = SETTINGS[name].metadata["minimum"]
+        minimum, maximum = (SETTINGS[name].metadata[bound] for bound in ("minimum", "maximum"))
         if value < minimum:
             raise ConfigError(f"{source}: {name} must be at least {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise ConfigError(f"{source}: {name} must be at most {maximum}, got {value}")
         return value
     if not isinstance(raw, str):
         raise ConfigError(f"{source}: {name} must be a string, got {raw!r}")
@@ -244,13 +253,14 @@ def _convert(name: str, raw: Any, source: str) -> Any:
 
 
 def _integer(raw: Any) -> int | None:
-    """``raw`` as an int if it is one or a string of one; None for anything else (bool, float)."""
+    """``raw`` as an int if it is one or a string of ASCII digits (``-`` first allowed, so
+    that a negative number is refused as one); None for anything else (bool, float,
+    ``"1_000"``, ``" 8"``, ``"+8"``)."""
     if isinstance(raw, bool) or not isinstance(raw, (int, str)):
         return None
-    try:
-        return int(raw)
-    except ValueError:
-        return None
+    if isinstance(raw, str):
+        return int(raw) if re.fullmatch(r"-?[0-9]+", raw) else None
+    return raw
 
 
 def _file_layer(config_file: str | os.PathLike | None, env: Mapping[str, str]) -> dict:

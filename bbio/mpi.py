@@ -171,6 +171,8 @@ def _fingerprint(value: Any) -> str:
         return f"array({value.dtype.str}, {value.shape}, sha256 {digest})"
     if isinstance(value, os.PathLike):
         return repr(os.fspath(value))
+    if isinstance(value, np.generic):  # np.int64(2) and 2 are the same argument
+        return repr(value.item())
     return repr(value)
 
 

@@ -73,6 +73,9 @@ MAY_IMPORT = {
     "shell": {"core", "native", "shell"},
     "entry": {"core", "native", "shell", "entry"},
 }
+# Shell modules that run without mpirun (the drain process, `bbio ckpt`, the Slurm hooks):
+# they import neither mpi4py nor bbio.mpi, even inside functions.
+NO_MPI = {"bbio.checkpoint.drain", "bbio.checkpoint.admin", "bbio.slurm"}
 # Third-party modules a layer may import; MPI only inside functions (never at import time).
 THIRD_PARTY = {
     "api": set(),
@@ -88,17 +91,33 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports(tree: ast.Module):
-    """(imported module, at module level?) for every import statement."""
-    top_level = {id(node) for node in tree.body}
-    for node in ast.walk(tree):
+def imports(tree: ast.Module, name: str, is_package: bool):
+    """(imported module, at import time?) for every import statement of module ``name``:
+    relative imports resolved; at import time unless inside a function (module level,
+    also within ``try``, ``if``, ``with`` or a class body)."""
+    package = name if is_package else name.rpartition(".")[0]
+    for node, at_import_time in statements(tree.body, True):
         if isinstance(node, ast.Import):
             for alias in node.names:
-                yield alias.name, id(node) in top_level
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                yield alias.name, at_import_time
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")
+            base = base[: len(base) - node.level + 1] if node.level else []
+            module = ".".join([*base, *([node.module] if node.module else [])])
             for alias in node.names:  # "from bbio import _native" imports bbio._native
-                submodule = f"{node.module}.{alias.name}"
-                yield (submodule if layer_of(submodule) else node.module), id(node) in top_level
+                submodule = f"{module}.{alias.name}"
+                yield (submodule if layer_of(submodule) else module), at_import_time
+
+
+def statements(body, at_import_time: bool):
+    """Every node under ``body``, with whether it runs when its module is imported."""
+    for node in body:
+        yield node, at_import_time
+        inside = at_import_time and not isinstance(
+            node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)
+        )
+        for child in ast.iter_child_nodes(node):
+            yield from statements([child], inside)
 
 
 def layer_of(name: str) -> str | None:
@@ -110,20 +129,20 @@ def layer_of(name: str) -> str | None:
 
 def all_modules():
     for path in sorted(PACKAGE.rglob("*.py")):
-        yield module_name(path), ast.parse(path.read_text())
+        yield module_name(path), ast.parse(path.read_text()), path.name == "__init__.py"
 
 
 def test_every_module_has_a_layer():
-    unplaced = [name for name, _ in all_modules() if layer_of(name) is None]
+    unplaced = [name for name, _, _ in all_modules() if layer_of(name) is None]
     assert not unplaced, f"add these to LAYERS and docs/architecture.md: {unplaced}"
 
 
 def test_layers_import_only_what_they_may():
     stdlib = set(__import__("sys").stdlib_module_names)
     problems = []
-    for name, tree in all_modules():
+    for name, tree, is_package in all_modules():
         layer = layer_of(name)
-        for imported, at_top in imports(tree):
+        for imported, at_top in imports(tree, name, is_package):
             root = imported.split(".")[0]
             if imported == "bbio._bbio_native" or imported.startswith("bbio._bbio_native"):
                 if name != "bbio._native":
@@ -138,4 +157,23 @@ def test_layers_import_only_what_they_may():
                 problems.append(f"{name} ({layer}) imports third-party {imported}")
             if root in {"mpi4py", "h5py", "matplotlib", "crc32c", "torch"} and at_top:
                 problems.append(f"{name} imports {imported} at import time")
+            if name in NO_MPI and (root == "mpi4py" or imported == "bbio.mpi"):
+                problems.append(f"{name} (shell, no MPI) imports {imported}")
     assert not problems, "\n".join(problems)
+
+
+def test_the_rules_catch_what_they_are_for():
+    """Relative imports, imports inside a module-level try, and MPI in a no-MPI module."""
+    source = (
+        "try:\n    from mpi4py import MPI\nexcept ImportError:\n    pass\n"
+        "from .checkpoint import checkpointer\n"
+        "def later():\n    from bbio import mpi\n"
+    )
+    found = set(imports(ast.parse(source), "bbio.report", False))
+    assert found == {
+        ("mpi4py", True),
+        ("bbio.checkpoint.checkpointer", True),
+        ("bbio.mpi", False),
+    }, found
+    found = set(imports(ast.parse("from .. import report\n"), "bbio.stage.plan", False))
+    assert found == {("bbio.report", True)}, found

@@ -419,6 +419,29 @@ def test_unwritable_pfs_save_succeeds_drain_retries_wait_times_out(comm, shared_
             subprocess.run(["umount", "--lazy", str(pfs)], check=True)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="a read-only mount needs root")
+def test_close_timeout_of_one_rank_raises_the_same_timeout_error_on_every_rank(comm, shared_tmp):
+    pfs = shared_tmp / "ropfs"
+    if comm.Get_rank() == 0:
+        pfs.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64m", "tmpfs", str(pfs)], check=True)
+    comm.Barrier()
+    try:
+        config = config_for(comm, shared_tmp, pfs_root=str(pfs))
+        ckpt = bbio.Checkpointer(comm, "ro", config=config)
+        ckpt.save(7, state(7, comm.Get_rank()))
+        started = time.monotonic()
+        with pytest.raises(bbio.BBIOTimeoutError) as info:  # before, a TypeError where None
+            ckpt.close(timeout=1.5 if comm.Get_rank() == 0 else None)
+        assert time.monotonic() - started < 30
+        assert "still draining after 1.5 s" in str(info.value)
+        assert comm.allgather(str(info.value)) == [str(info.value)] * comm.Get_size()
+    finally:
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            subprocess.run(["umount", "--lazy", str(pfs)], check=True)
+
+
 def test_drain_killed_mid_copy_is_finished_by_the_epilog(comm, shared_tmp):
     config = config_for(comm, shared_tmp)
     rank = comm.Get_rank()

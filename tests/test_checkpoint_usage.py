@@ -406,3 +406,92 @@ def test_state_that_cannot_be_an_array_is_one_usage_error_not_a_raw_one(comm, sh
         assert ckpt.restore()[0] == 1
     with pytest.raises(bbio.UsageError, match=r"a Shard's data \(list\) cannot be made a NumPy"):
         bbio.Shard([[1, 2], [3]], (0,), (2,))
+
+
+class FailsOnItsSecondRead:
+    """State whose bytes cannot be read a second time: the save's check reads it, its
+    write fails (as a device error would)."""
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    def __array__(self, dtype=None, copy=None):
+        self.reads += 1
+        if self.reads == 2:
+            raise OSError(5, "the state's device failed")
+        return np.arange(4.0)
+
+
+def test_a_save_that_failed_on_one_rank_refuses_no_lower_step(comm, shared_tmp):
+    """Before, the withdrawn step 10 still refused step 9 ("already has step 10")."""
+    rank = comm.Get_rank()
+    with bbio.Checkpointer(comm, "withdrawn", config=config_for(comm, shared_tmp)) as ckpt:
+        ckpt.save(5, state(5, rank)).wait(timeout=60)
+        flaky = FailsOnItsSecondRead() if rank == 1 else np.arange(4.0)
+        with pytest.raises(bbio.BBIOError) as info:
+            ckpt.save(10, {"w": flaky})
+        assert "the state's device failed" in same_everywhere(comm, info.value)
+        assert [info.step for info in ckpt.list()] == [5]
+        ckpt.save(9, state(9, rank)).wait(timeout=60)
+        step, arrays, _ = ckpt.restore()
+        assert step == 9 and same(arrays, state(9, rank))
+
+
+def test_values_that_would_not_come_back_as_saved_are_refused(comm, shared_tmp):
+    """Before: bfloat16 restored as raw bytes (|V2), int attrs keys as strings, NaN written
+    into the manifest; a NUL in a key, a 33-dimension array, a Shard at 2**63 and a name
+    of 256 bytes failed inside HDF5, NumPy or mkdir."""
+    import ml_dtypes
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    config = config_for(comm, shared_tmp)
+    with bbio.Checkpointer(comm, "odd", config=config) as ckpt:
+        refused = [
+            ({"w": np.ones(3, ml_dtypes.bfloat16)}, None, "has dtype bfloat16, which NumPy"),
+            ({"w": np.zeros((1,) * 33)}, None, "has 33 dimensions; HDF5 stores at most 32"),
+            ({"w": np.zeros(2, "V0")}, None, "has dtype |V0, which bbio cannot store"),
+            ({"w\0": np.ones(2)}, None, "invalid state key 'w\\x00'"),
+            ({"a\ud800": np.ones(2)}, None, "invalid state key 'a\\ud800'"),
+            (state(1, rank), {"schedule": {10: 0.1}}, "the key 10 is not a string"),
+            (state(1, rank), {"loss": float("nan")}, "Out of range float values"),
+        ]
+        for bad_rank in range(size):
+            for arrays, attrs, expected in refused:
+                mine = arrays if rank == bad_rank else state(1, rank)
+                with pytest.raises(bbio.UsageError) as info:
+                    ckpt.save(1, mine, attrs=attrs)
+                assert expected in same_everywhere(comm, info.value), info.value
+        with pytest.raises(bbio.UsageError) as info:
+            bbio.Shard(np.ones(1), (2**63,), (2**63 + 1,))
+        assert "has an entry above 2**63 - 1" in str(info.value)
+        bits = np.arange(3, dtype=np.float32).astype(ml_dtypes.bfloat16)
+        saved = {"bits": bits.view(np.uint16)}  # as the hint says
+        ckpt.save(1, saved, attrs={"betas": (0.9, 0.999)}).wait(timeout=60)
+        _, arrays, attrs = ckpt.restore()
+        assert np.array_equal(arrays["bits"].view(ml_dtypes.bfloat16), bits)
+        assert attrs["betas"] == [0.9, 0.999]  # JSON: a tuple comes back as a list
+    for name in ("a\0b", "x" * 256):
+        with pytest.raises(bbio.UsageError) as info:
+            bbio.Checkpointer(comm, name, config=config)
+        assert "invalid checkpoint name" in same_everywhere(comm, info.value)
+    keep = np.int64(2) if rank == 0 else 2  # equal arguments: before, "different arguments"
+    bbio.Checkpointer(comm, "x" * 255, keep_bb=keep, config=config).close()
+
+
+def test_a_second_open_checkpointer_of_the_same_directories_is_refused(comm, shared_tmp):
+    """Before, the second one's save of step 5 went below the first one's step 10, and
+    both were committed."""
+    rank = comm.Get_rank()
+    config = config_for(comm, shared_tmp)
+    with bbio.Checkpointer(comm, "twice", config=config) as first:
+        first.save(10, state(10, rank))
+        with pytest.raises(bbio.UsageError) as info:
+            bbio.Checkpointer(comm, "twice", config=config)
+        assert "checkpointer twice is already open" in same_everywhere(comm, info.value)
+        other_bb = config_for(comm, shared_tmp, bb_root=str(shared_tmp / "bb2" / "{node}"))
+        with pytest.raises(bbio.UsageError):  # the same PFS directory
+            bbio.Checkpointer(comm, "twice", config=other_bb)
+    with bbio.Checkpointer(comm, "twice", config=config) as again:  # once closed: a new one
+        assert [info.step for info in again.list()] == [10]
+        with pytest.raises(bbio.UsageError, match="already has step 10, later than step 5"):
+            again.save(5, state(5, rank))

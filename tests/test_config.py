@@ -62,6 +62,11 @@ def test_virtual_nodes_on_one_machine_need_their_own_directories():
         ({"BBIO_CONFIG": "/nonexistent/file.toml"}, r"does not exist.*bbio --config"),
         ({"BBIO_JOB_ID": "", "SLURM_JOB_ID": "4242"}, "BBIO_JOB_ID: job_id must not be empty"),
         ({"BBIO_BB_ROOT": ""}, "BBIO_BB_ROOT: bb_root must not be empty"),
+        ({"BBIO_READ_MIN_SAVING": "150"}, "read_min_saving must be at most 100, got 150"),
+        ({"BBIO_IO_THREADS": "1_000"}, "io_threads must be an integer, got '1_000'"),
+        ({"BBIO_IO_THREADS": " 8 "}, "io_threads must be an integer, got ' 8 '"),
+        ({"BBIO_IO_THREADS": "+8"}, "io_threads must be an integer, got '\\+8'"),
+        ({"BBIO_IO_THREADS": "-3"}, "io_threads must be at least 1, got -3"),
     ],
 )
 def test_bad_values_name_their_source(env, message):

@@ -14,12 +14,14 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import numbers
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -46,6 +48,8 @@ from bbio.report import format_bytes
 from bbio.transfer import files
 
 log = logging.getLogger("bbio")
+# the open checkpointers of this process, by directory (PFS and burst buffer)
+_OPEN: weakref.WeakValueDictionary[str, Checkpointer] = weakref.WeakValueDictionary()
 
 FILE_OVERHEAD_BYTES = 1 << 20  # HDF5 metadata, per node file, generously ...
 DATASET_OVERHEAD_BYTES = 4 << 10  # ... and per dataset (about 1.4 KiB each when new)
@@ -209,9 +213,12 @@ class Checkpointer:
         arguments = {"name": name, "bb_root": bb_root, "pfs_root": pfs_root, "keep_bb": keep_bb}
         arguments |= {"keep_pfs": keep_pfs, "backpressure": backpressure, "config": config}
         same_arguments(comm, "Checkpointer", arguments)
-        if not isinstance(name, str) or "/" in name or not name or name.startswith("."):
+        plain = layout.is_text_name(name) and "/" not in name and not name.startswith(".")
+        if not plain or not name or len(name.encode()) > layout.NAME_MAX:
             raise UsageError(
-                f"invalid checkpoint name {name!r}", hint="use a plain name like 'run1'"
+                f"invalid checkpoint name {name!r}",
+                hint="use a plain name like 'run1' (a directory name: no '/' or NUL, not "
+                f"starting with '.', at most {layout.NAME_MAX} bytes in UTF-8)",
             )
         keep_bb = integer_argument("keep_bb", keep_bb, 1)
         keep_pfs = integer_argument("keep_pfs", keep_pfs, 1)
@@ -226,14 +233,25 @@ class Checkpointer:
         self.recycle = config.ckpt_recycle == "on"
         self.comm = comm.Dup()
         self.topo = topology(self.comm, config.ranks_per_node)
-        try:  # the same ConfigError on every rank: nothing to leak
-            bb_node_dir = config.node_dir(
-                bb_root or config.bb_root, self.topo.node, self.topo.nodes_on_host
-            )
+        try:  # the same error on every rank (a ConfigError, or agreed): nothing to leak
+            self._prepare(config, name, bb_root, pfs_root, keep_pfs)
         except BBIOError:
             self.topo.free()
             self.comm.Free()
             raise
+
+    def _prepare(
+        self,
+        config: Config,
+        name: str,
+        bb_root: str | os.PathLike | None,
+        pfs_root: str | os.PathLike | None,
+        keep_pfs: int,
+    ) -> None:
+        """Collective: the constructor's paths, journal and view of the steps saved."""
+        bb_node_dir = config.node_dir(
+            bb_root or config.bb_root, self.topo.node, self.topo.nodes_on_host
+        )
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.node, self.nodes = self.topo.node, self.topo.nodes
         self.node_ranks = self.topo.node_comm.allgather(self.rank)
@@ -249,6 +267,7 @@ class Checkpointer:
         pfs_steps: tuple[list[int], list[int]] = ([], [])
         queued: list[int] = []
         with agreed(self.comm, f"checkpointer {name}: preparing the burst buffer"):
+            self._refuse_if_open_twice()
             if self.topo.is_leader:
                 self.journal.mkdir(parents=True, exist_ok=True)
                 (self.journal / drain.STOP).unlink(missing_ok=True)
@@ -265,6 +284,27 @@ class Checkpointer:
         # steps a save must not go below: committed ones, those an earlier job left
         # queued here (its drain may still commit them), and those saved since
         self._ordered_steps: set[int] = set(committed).union(*self.comm.allgather(queued))
+        for directory in self._directories():
+            _OPEN[directory] = self
+
+    def _directories(self) -> tuple[str, str]:
+        """The checkpointer's directories on the PFS and in this node's burst buffer."""
+        return os.path.abspath(self.pfs_dir), os.path.abspath(self.bb_dir)
+
+    def _refuse_if_open_twice(self) -> None:
+        """Raise :class:`UsageError` if an open checkpointer of this process has the same
+        directory on the PFS or in the burst buffer: each would check the order of its own
+        saves only, and both drive one drain.  Not collective."""
+        for directory in self._directories():
+            other = _OPEN.get(directory)
+            if other is not None and not other._closed:
+                raise UsageError(
+                    f"checkpointer {other.name} is already open in this process, with the "
+                    f"directory {directory}",
+                    path=directory,
+                    hint="save through the open one, or close() it before creating another "
+                    "(a with block closes it)",
+                )
 
     # ---------------------------------------------------------------- save
 
@@ -302,14 +342,7 @@ class Checkpointer:
             if not isinstance(replace, bool):
                 raise UsageError(f"save: replace must be True or False, not {replace!r}")
             layout.step_dirname(step)
-            try:
-                user_attrs = json.dumps(dict(attrs or {}), sort_keys=True)
-            except (TypeError, ValueError) as exc:
-                raise UsageError(
-                    f"the attrs of checkpoint {step} are not JSON: {exc}",
-                    hint="pass a dict of str, int, float, bool, None, lists and dicts "
-                    "(NumPy numbers: int() or float() them)",
-                ) from None
+            user_attrs = attrs_json(step, attrs)
             try:
                 spec = describe(arrays)
             except UsageError as exc:  # the call's name, the same on every rank, has no step
@@ -385,6 +418,7 @@ class Checkpointer:
                 free[theirs.node] = theirs.free
         if saved_before:
             self._replace(step, checked, replace)  # its old copies go before any node writes
+        first_of_step = step not in self._ordered_steps
         self._pfs_steps.add(step)
         self._ordered_steps.add(step)
         direct = not self._room_in_every_bb(need, free)
@@ -435,6 +469,8 @@ class Checkpointer:
             if self.topo.is_leader:
                 temp.unlink(missing_ok=True)
             self._withdraw(step, step_dir)
+            if first_of_step:  # as if never saved: no reason to refuse the steps below it
+                self._ordered_steps.discard(step)
             raise
         if self.topo.is_leader and not direct:  # now: a copying drain takes CPU from the ranks
             drain.wake(self.journal)
@@ -982,9 +1018,12 @@ class Checkpointer:
                 deadline = None if timeout is None else time.monotonic() + timeout
                 while self._busy():
                     late = deadline is not None and time.monotonic() > deadline
-                    if self.comm.allreduce(late, op=_lor()):
+                    # the smallest timeout that has passed on any rank: the same on every rank
+                    passed = self.comm.allreduce(timeout if late else math.inf, op=_min())
+                    if passed != math.inf:
                         raise BBIOTimeoutError(
-                            f"checkpoints of {self.name} still draining after {timeout:.0f} s",
+                            f"checkpoints of {self.name} still draining after {passed:g} s "
+                            "(the shortest close timeout given on any rank)",
                             hint="'bbio ckpt drain --finish' completes them",
                         )
                     time.sleep(0.05)
@@ -997,6 +1036,9 @@ class Checkpointer:
             if drained:
                 self.comm.Barrier()
             self._closed = True
+            for directory in self._directories():
+                if _OPEN.get(directory) is self:
+                    del _OPEN[directory]
             self.topo.free()
             self.comm.Free()
 
@@ -1005,6 +1047,35 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close(wait=exc[0] is None)
+
+
+def attrs_json(step: int, attrs: Mapping[str, Any] | None) -> str:
+    """The JSON text of a checkpoint's ``attrs``, or the :class:`UsageError` saying why
+    they cannot be restored as given: a dict key that is not a string (JSON would make
+    it one), NaN or infinity (not JSON), or a value JSON has no type for.  Tuples are
+    restored as lists.  Not collective."""
+    try:
+        json.dumps(dict(attrs or {}), allow_nan=False)  # first: a cycle is refused here
+        for odd_key in _non_string_keys(dict(attrs or {})):
+            raise ValueError(f"the key {odd_key!r} is not a string (JSON would make it one)")
+        return json.dumps(dict(attrs or {}), sort_keys=True)
+    except (TypeError, ValueError) as exc:
+        raise UsageError(
+            f"the attrs of checkpoint {step} are not JSON: {exc}",
+            hint="pass a dict with string keys of str, int, finite float, bool, None, lists "
+            "and dicts (NumPy numbers: int() or float() them; tuples come back as lists)",
+        ) from None
+
+
+def _non_string_keys(value: Any) -> Iterator[Any]:
+    """The dict keys inside ``value`` that are not ``str``."""
+    if isinstance(value, Mapping):
+        yield from (key for key in value if not isinstance(key, str))
+        items: Iterable[Any] = value.values()
+    else:
+        items = value if isinstance(value, (list, tuple)) else ()
+    for item in items:
+        yield from _non_string_keys(item)
 
 
 def describe_pfs(pfs_ckpt_dir: Path) -> tuple[dict[int, str], dict[int, Any]]:
@@ -1031,7 +1102,7 @@ def describe_pfs(pfs_ckpt_dir: Path) -> tuple[dict[int, str], dict[int, Any]]:
     return states, saves
 
 
-def _lor():
+def _min():
     from mpi4py import MPI
 
-    return MPI.LOR
+    return MPI.MIN

@@ -1609,6 +1609,7 @@ class _Failure:
 
     count: int
     backoff: float
+    failed_at: float  # time.monotonic()
     retry_at: float  # time.monotonic()
     message: str
 
@@ -1658,7 +1659,7 @@ class _Commits:
         with self.lock:
             if rest:
                 self.rest = rest
-            latest = max(self.failures.values(), key=lambda f: f.retry_at - f.backoff, default=None)
+            latest = max(self.failures.values(), key=lambda f: f.failed_at, default=None)
             trouble = {"error": latest.message, "retries": latest.count} if latest else {}
             activity = self.rest
             if self.busy:
@@ -1992,12 +1993,14 @@ def _drain(
         count = failure.count + 1 if failure else 1
         backoff = min(failure.backoff * 2, MAX_BACKOFF_SECONDS) if failure else 1.0
         message = _describe_failure(exc, task)
+        now = time.monotonic()
+        retry_at = now + backoff
+        if deadline is not None and now < deadline:  # a last try at the deadline, not before
+            retry_at = min(retry_at, deadline)
         with commits.lock:
-            failures[_task_key(task)] = _Failure(
-                count, backoff, time.monotonic() + backoff, message
-            )
+            failures[_task_key(task)] = _Failure(count, backoff, now, retry_at, message)
         commits.end(task, state="retrying", step=task.step)
-        print(f"bbio drain: {message} (retry {count} in {backoff:.0f} s)", file=sys.stderr)
+        print(f"bbio drain: {message} (retry {count} in {retry_at - now:.0f} s)", file=sys.stderr)
 
     def finished() -> None:
         """Wait for the finishing task, if any, and take its outcome: copies left to trim,

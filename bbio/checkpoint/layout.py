@@ -34,6 +34,9 @@ from bbio.errors import UsageError
 
 CKPT_DIR = "ckpt"
 MAX_STEP = 2**64 - 1  # a node file's "step" attribute is a 64-bit HDF5 integer
+MAX_EXTENT = 2**63 - 1  # NumPy's largest dimension
+MAX_DIMENSIONS = 32  # HDF5's largest rank (H5S_MAX_RANK)
+NAME_MAX = 255  # bytes in a file name: a checkpoint's name is a directory's
 CRC_ATTR = "crc32c"  # root attribute of a node file: {dataset: CRC32C of its bytes}, JSON
 PER_RANK, GLOBAL = "per-rank", "global"
 _STEP = re.compile(r"^step-(\d{8,})$")
@@ -88,7 +91,14 @@ def _coordinates(name: str, value: object) -> tuple[int, ...]:
             f"({type(value).__name__})",
             hint=f"pass {name} as a tuple with one int per dimension of the data",
         )
-    return tuple(integer_argument(f"each entry of a Shard's {name}", n, 0) for n in value)
+    coordinates = tuple(integer_argument(f"each entry of a Shard's {name}", n, 0) for n in value)
+    if any(n > MAX_EXTENT for n in coordinates):
+        raise UsageError(
+            f"a Shard's {name} {coordinates} has an entry above 2**63 - 1, the largest "
+            "extent an array can have",
+            hint=f"pass {name} within the global array's real extent",
+        )
+    return coordinates
 
 
 def step_dirname(step: int) -> str:
@@ -169,8 +179,9 @@ _RANK_PART = re.compile(r"r\d{5,}")  # the last part of a rank's dataset (rank_d
 
 def check_key(key: str) -> str:
     """A state key usable as an HDF5 group name, as it is written (HDF5 does not
-    rewrite it: no empty, ``.`` or ``..`` part) and apart from the ranks' datasets."""
-    parts = key.split("/") if isinstance(key, str) else [""]
+    rewrite it: no empty, ``.`` or ``..`` part, no NUL, UTF-8) and apart from the ranks'
+    datasets."""
+    parts = key.split("/") if is_text_name(key) else [""]
     if any(p in ("", ".", "..") or _RANK_PART.fullmatch(p) for p in parts):
         raise UsageError(
             f"invalid state key {key!r}",
@@ -178,6 +189,18 @@ def check_key(key: str) -> str:
             "empty, '.' or '..', nor 'r' and five or more digits (bbio's per-rank names)",
         )
     return key
+
+
+def is_text_name(name: object) -> bool:
+    """Whether ``name`` is a ``str`` that files and HDF5 can hold as written: UTF-8 (no
+    lone surrogate) and without NUL."""
+    if not isinstance(name, str) or "\0" in name:
+        return False
+    try:
+        name.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def as_array(what: str, value: object) -> np.ndarray:

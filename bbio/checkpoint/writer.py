@@ -45,6 +45,7 @@ from bbio._version import __version__
 from bbio.checkpoint.layout import (
     CRC_ATTR,
     GLOBAL,
+    MAX_DIMENSIONS,
     Box,
     Shard,
     as_array,
@@ -95,13 +96,7 @@ def describe(arrays: Mapping[str, Any]) -> dict[str, dict]:
                 raise
         else:
             data = as_array(f"state {key!r}", value)
-        refused = data.dtype.kind in "UMm"  # unicode, datetime64, timedelta64: no HDF5 type
-        if data.dtype.hasobject or refused or data.dtype.names is not None:
-            raise UsageError(
-                f"state {key!r} has dtype {data.dtype}, which bbio cannot store",
-                hint="store numbers, bytes ('S') or raw bytes (np.frombuffer(b, np.uint8)); "
-                "store each field of a structured array as an array of its own",
-            )
+        check_storable(f"state {key!r}", data)
         entry: dict[str, Any] = {
             "shape": list(data.shape),
             "dtype": data.dtype.str,
@@ -112,6 +107,31 @@ def describe(arrays: Mapping[str, Any]) -> dict[str, dict]:
             entry["global_shape"] = list(global_shape)
         spec[key] = entry
     return spec
+
+
+def check_storable(what: str, data: np.ndarray) -> None:
+    """Raise the :class:`UsageError` saying why ``data`` cannot be stored as it is and
+    restored with the same dtype and shape, if it cannot.  Not collective."""
+    dtype = data.dtype
+    refused = dtype.kind in "UMm"  # unicode, datetime64, timedelta64: no HDF5 type
+    if dtype.hasobject or refused or dtype.names is not None or dtype.itemsize == 0:
+        raise UsageError(
+            f"{what} has dtype {dtype}, which bbio cannot store",
+            hint="store numbers, bytes ('S') or raw bytes (np.frombuffer(b, np.uint8)); "
+            "store each field of a structured array as an array of its own",
+        )
+    if np.dtype(dtype.str) != dtype:  # bfloat16, float8, int4 (ml_dtypes): raw bytes in HDF5
+        raise UsageError(
+            f"{what} has dtype {dtype}, which NumPy does not define: it would be restored "
+            f"as raw bytes ({np.dtype(dtype.str)})",
+            hint=f"save its bits, a.view(np.uint{8 * dtype.itemsize}), and view them back "
+            f"(.view({dtype.name})) after restore",
+        )
+    if data.ndim > MAX_DIMENSIONS:
+        raise UsageError(
+            f"{what} has {data.ndim} dimensions; HDF5 stores at most {MAX_DIMENSIONS}",
+            hint="reshape it to fewer dimensions, and back after restore",
+        )
 
 
 def write_node_file(
