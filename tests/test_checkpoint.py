@@ -641,3 +641,35 @@ def test_a_burst_buffer_copy_of_a_save_made_again_since_is_not_restored(comm, sh
         step, arrays, attrs = ckpt.restore()
         assert (step, attrs, ckpt.last_restore_tier) == (10, {"v": 2.0}, "pfs")
         assert np.array_equal(arrays["x"], np.full(4, 2.0)), rank
+
+
+def test_a_wait_that_times_out_says_the_drain_is_not_running(comm, shared_tmp):
+    """Before, it blamed the PFS ("check that the PFS is writable")."""
+    config = config_for(comm, shared_tmp)
+    rank = comm.Get_rank()
+    pfs = shared_tmp / "pfs" / "ckpt" / "nodrain"
+    ckpt = bbio.Checkpointer(comm, "nodrain", config=config)
+    if rank == 0:  # a file where step 1's directory goes: the drains retry until it goes
+        pfs.mkdir(parents=True, exist_ok=True)
+        (pfs / layout.step_dirname(1)).write_bytes(b"in the way")
+    comm.Barrier()
+    handle = ckpt.save(1, state(1, rank))
+    journal = shared_tmp / "bb" / str(node_of(comm)) / "ckpt" / "nodrain" / ".journal"
+    if leader(comm):
+        deadline = time.monotonic() + 60
+        while drain.read_status(journal).get("state") != "retrying":
+            assert time.monotonic() < deadline, drain.read_status(journal)
+            time.sleep(0.01)
+        os.kill(drain.read_status(journal)["pid"], signal.SIGKILL)
+        while drain.is_draining(journal):
+            time.sleep(0.01)
+    comm.Barrier()
+    if rank == 0:
+        (pfs / layout.step_dirname(1)).unlink()
+    comm.Barrier()
+    with pytest.raises(bbio.BBIOTimeoutError) as info:
+        handle.wait(timeout=1)
+    assert "this node's drain is not running" in str(info.value)
+    assert "save or close starts a drain" in str(info.value)
+    ckpt.close(timeout=60)  # starts a drain, which commits it
+    assert drain.committed_steps(pfs) == [1]

@@ -1865,3 +1865,35 @@ def test_a_damaged_task_file_replaced_by_a_new_save_is_not_set_aside(tmp_path):
     assert drain._set_aside_damaged_task(journal, 5, why) == "set aside"
     assert drain.set_aside(journal)[5][drain.TASK_DAMAGED] is True
     assert drain.read_queue(journal) == ([], {})
+
+
+def test_files_of_a_save_killed_before_its_record_are_deleted_in_both_tiers(tmp_path):
+    """Step 6's save was killed on node 0 after its file got its final name, before its
+    task and record; node 1 recorded and queued its own.  Before, node 0's file stayed in
+    its burst buffer for ever, and node 1's copy on the PFS was listed as draining for
+    ever: no retention removed a step that was never committed."""
+    bb, pfs = tmp_path / "bb", tmp_path / "pfs"
+    for step, when in ((5, 1.5), (6, 2.5), (7, 3.5), (8, 4.5)):
+        j0, j1 = two_node_save(bb, step, when, keep_pfs=1)
+    bb0 = bb / "0" / layout.CKPT_DIR / "run"
+    killed = bb0 / layout.step_dirname(6)
+    (killed / layout.node_record_name(0)).unlink()
+    drain.task_path(j0, 6).unlink()
+    files.temp_path(killed / layout.node_filename(0)).write_bytes(b"a rank's part")
+    assert drain.run(j0, None, finish=True, timeout=60) == 0
+    assert drain.run(j1, None, finish=True, timeout=60) == 0  # copies step 6: never commits
+    assert drain.committed_steps(pfs) == [8]
+    assert drain.steps_in(pfs) == [8]  # before: [6, 8], 6 "draining" for ever
+    assert (killed / layout.node_filename(0)).exists()  # node 0 saw no commit yet
+    saving = bb0 / layout.step_dirname(9) / layout.node_filename(0)  # not recorded yet
+    saving.parent.mkdir()
+    saving.write_bytes(b"a save in progress")
+    drain.trim_bb(bb0, 0, 2, pfs, j0)  # its next trim, after its next task
+    assert drain.steps_in(bb0) == [7, 8, 9] and saving.exists()
+    kept_for_the_admin = pfs / layout.step_dirname(3)
+    kept_for_the_admin.mkdir()
+    drain.damaged_on_pfs(kept_for_the_admin).write_text("{}")
+    draining = pfs / layout.step_dirname(9)  # newer than the newest commit: still draining
+    draining.mkdir()
+    drain.apply_pfs_retention(pfs, 1)
+    assert drain.steps_in(pfs) == [3, 8, 9]

@@ -149,12 +149,17 @@ class SaveHandle:
                 ]
                 status = drain.read_status(self.journal)
                 problem = status.get("error") or "no error reported"
+                if drain.is_draining(self.journal):
+                    told = f"reports: {problem} ({status.get('retries', 0)} retries)"
+                    hint = "check that the PFS is writable; 'bbio ckpt drain --finish' completes it"
+                else:
+                    told = f"is not running (it stopped or died; it last reported: {problem})"
+                    hint = "a save or close starts a drain; so does 'bbio ckpt drain --finish'"
                 raise BBIOTimeoutError(
                     f"checkpoint {self.name} step {self.step} is not committed on the PFS after "
-                    f"{timeout:.0f} s: node(s) {missing} not drained yet; this node's drain "
-                    f"reports: {problem} ({status.get('retries', 0)} retries)",
+                    f"{timeout:.0f} s: node(s) {missing} not drained yet; this node's drain {told}",
                     path=self.pfs_step_dir,
-                    hint="check that the PFS is writable; 'bbio ckpt drain --finish' completes it",
+                    hint=hint,
                 )
             if waiter.notified and known is not None:  # else only the PFS can say: polled
                 left = TOLD_WAIT_POLL_SECONDS if deadline is None else deadline - time.monotonic()

@@ -1233,7 +1233,12 @@ def committed_saves(ckpt_dir: Path) -> dict[int, Any]:
 
 
 def apply_pfs_retention(ckpt_dir: Path, keep: int) -> list[int]:
-    """Delete committed checkpoints older than the ``keep`` newest.  Returns the steps removed.
+    """Delete committed checkpoints older than the ``keep`` newest, and the directories of
+    steps older than those that were never committed (a save killed after some nodes'
+    files were copied: retention would delete them the moment they were committed, and
+    a drain still trying one retires it, :func:`_retired`).  A step directory with a
+    manifest (damaged) or another node's damaged-file marker is kept, for the admin.
+    Returns the steps removed.
 
     Each one's directory is first renamed to a hidden name of its own
     (``.retiring-step-...``; then the checkpointer's directory is fsynced), so
@@ -1244,7 +1249,15 @@ def apply_pfs_retention(ckpt_dir: Path, keep: int) -> list[int]:
     another one renamed or deleted meanwhile is not an error.  Not collective.
     """
     removed = []
-    for step in committed_steps(ckpt_dir)[:-keep] if keep > 0 else []:
+    committed = committed_steps(ckpt_dir)
+    retiring = committed[:-keep] if keep > 0 else []
+    if keep > 0 and len(committed) >= keep:
+        retiring += [
+            step
+            for step in steps_in(ckpt_dir)
+            if step < committed[-keep] and _abandoned(ckpt_dir / layout.step_dirname(step))
+        ]
+    for step in sorted(retiring):
         step_dir = ckpt_dir / layout.step_dirname(step)
         try:
             os.rename(step_dir, ckpt_dir / f"{RETIRING}{step_dir.name}.{files.unique_tag()}")
@@ -1259,6 +1272,12 @@ def apply_pfs_retention(ckpt_dir: Path, keep: int) -> list[int]:
             if entry.name.startswith(RETIRING):
                 _remove_tree(entry)
     return removed
+
+
+def _abandoned(step_dir: Path) -> bool:
+    """A PFS step directory with neither a manifest nor a damaged-file marker: never
+    committed, nothing kept for the admin."""
+    return not manifest_path(step_dir).exists() and not damaged_on_pfs(step_dir).exists()
 
 
 def _remove_tree(path: Path) -> None:
@@ -1306,20 +1325,28 @@ def trim_bb(
     when the burst buffer is short of room.  The PFS is looked at only when
     there are copies beyond ``keep``, and then for its newest committed step
     (:func:`newest_committed_step`).  Returns how many are left beyond it.
+
+    A node file (or temporary file) without a record, of a step older than both
+    this node's newest recorded copy and the newest committed step, and not
+    queued, is deleted too: a save killed before it recorded the file left it,
+    and nothing would ever restore, drain or trim it.
     """
-    copies = sorted(
-        step
-        for entry in (bb_ckpt_dir.iterdir() if bb_ckpt_dir.is_dir() else ())
-        if (step := layout.parse_step(entry.name)) is not None
-        and (entry / layout.node_record_name(node)).exists()
-    )
+    steps = steps_in(bb_ckpt_dir)
+    record_name = layout.node_record_name(node)
+    recorded = {s for s in steps if (bb_ckpt_dir / layout.step_dirname(s) / record_name).exists()}
+    copies = sorted(recorded)
     surplus = copies[: max(len(copies) - keep, 0)]
-    if not surplus:
+    # a save killed before its record: its file (or temporary file) is nobody's
+    unrecorded = [s for s in steps if s not in recorded and s < (copies or [-1])[-1]]
+    if not surplus and not unrecorded:
         return 0
     tasks, damaged = read_queue(journal)  # read after the listing
     queued = {t.step for t in tasks} | set(damaged)  # a damaged task's copy is kept
     aside = set_aside(journal)  # damaged: kept for the admin, and not waited for
-    newest = newest_committed_step(pfs_ckpt_dir, at_least=surplus[0])
+    newest = newest_committed_step(pfs_ckpt_dir, at_least=min(surplus + unrecorded))
+    for step in unrecorded:
+        if newest is not None and step < newest and step not in queued and step not in aside:
+            _drop_unrecorded(bb_ckpt_dir / layout.step_dirname(step), node)
     left = 0
     for step in surplus:
         if step in aside:
@@ -1345,6 +1372,19 @@ def trim_bb(
         with contextlib.suppress(OSError):
             step_dir.rmdir()
     return left
+
+
+def _drop_unrecorded(step_dir: Path, node: int) -> None:
+    """Delete ``node``'s file and temporary file of a save that never recorded them (killed
+    in between), and the step's directory if that leaves it empty."""
+    node_file = step_dir / layout.node_filename(node)
+    try:
+        for path in (node_file, files.temp_path(node_file)):
+            path.unlink(missing_ok=True)
+    except OSError as exc:
+        raise from_oserror(exc, "delete a burst-buffer file never recorded", node_file) from None
+    with contextlib.suppress(OSError):
+        step_dir.rmdir()
 
 
 def _keep_as_spare(bb_ckpt_dir: Path, node: int, node_file: Path, record: dict[str, Any]) -> bool:
