@@ -289,6 +289,9 @@ def test_a_file_that_changes_during_the_copy(comm, shared_tmp, writer_seconds):
                 bbio.IntegrityError, match=r"kept changing while being copied: hot\.log"
             ):
                 bbio.stage_in(comm, src, dst, config=config)
+            comm.Barrier()
+            for node in ("0", "1"):  # before, a full-size temporary copy stayed on each node
+                assert not list((shared_tmp / "bb" / node / "hot").glob("*bbio-part"))
             summary = bbio.stage_in(comm, src, dst, skip_unreadable=True, config=config)
             assert [s.path for s in summary.skipped] == ["hot.log"]
             assert not (shared_tmp / "bb" / "0" / "hot" / "hot.log").exists()

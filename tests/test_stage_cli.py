@@ -684,6 +684,49 @@ def test_verify_detects_a_corrupted_byte(tmp_path, small_src, n, rpn):
     assert summary_count(repaired.stdout, "problems") == 0
 
 
+HOST_WRAPPER = """#!/bin/sh
+# each pair of ranks is a "host": its node's burst buffer seen at $ROOT/local
+node=$((OMPI_COMM_WORLD_RANK / 2))
+exec unshare -m --propagation private sh -c \
+    "mount --bind $ROOT/bb/$node/x $ROOT/local && exec \\"\\$@\\"" sh "$@"
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="mount namespaces need root"
+)
+def test_verify_reads_each_hosts_copy_where_the_path_has_no_node(tmp_path):
+    """Real hosts, simulated with a mount namespace per rank: every host has its own
+    /local.  Before, verify dealt the files of a path without {node} over all ranks, so
+    each host checked a share of its own copy, and a damaged file could pass."""
+    src = tmp_path / "src"
+    names = [f"f{i:02d}" for i in range(12)]
+    make_tree(src, {name: 4096 for name in names})
+    assert_ok(stage_in(4, "2", src, str(tmp_path / "bb" / "{node}" / "x")))
+    for name in names:  # node 1's copies damaged, same size and mtime
+        victim = tmp_path / "bb" / "1" / "x" / name
+        before = victim.stat()
+        victim.write_bytes(bytes(4096))
+        os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
+    (tmp_path / "local").mkdir()
+    wrapper = tmp_path / "host.sh"
+    wrapper.write_text(HOST_WRAPPER)
+    wrapper.chmod(0o755)
+    env = {**os.environ, **MPI_ENV, "ROOT": str(tmp_path), "BBIO_RANKS_PER_NODE": "2"}
+    command = ["mpirun", "-n", "4", str(wrapper), sys.executable, "-m", "bbio", "verify"]
+    result = subprocess.run(
+        [*command, str(src), str(tmp_path / "local")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "12 problem(s)" in result.stderr or all(n in result.stderr for n in names), result.stderr
+    assert "Traceback" not in result.stderr
+
+
 _READ_ONLY_CHANGE = """
 import os, sys, threading, time
 from pathlib import Path

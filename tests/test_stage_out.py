@@ -97,6 +97,45 @@ def test_a_file_edited_on_the_pfs_since_the_stage_in_is_not_replaced(comm, share
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_subdirectory_staged_out_keeps_an_edit_made_on_the_pfs(comm, shared_tmp):
+    """The project was staged in whole; only its data/ goes back.  Before, no manifest was
+    found for data/ (the stage-in's is the project's), and the edit was overwritten."""
+    config = two_nodes(comm, shared_tmp)
+    project = shared_tmp / "pfs" / "proj"
+    if comm.Get_rank() == 0:
+        (project / "data").mkdir(parents=True)
+        (project / "code").mkdir()
+        (project / "data" / "config.yaml").write_bytes(b"lr: 0.1\n")
+        (project / "code" / "train.py").write_bytes(b"print()")
+    comm.Barrier()
+    bbio.stage_in(comm, project, shared_tmp / "bb" / "{node}" / "proj", config=config)
+    if comm.Get_rank() == 0:
+        (project / "data" / "config.yaml").write_bytes(b"lr: 0.01  # edited on the PFS\n")
+    write_on_every_node(comm, shared_tmp, "proj", "data/results.txt", b"loss 0.3", 10**18)
+    data = shared_tmp / "bb" / "{node}" / "proj" / "data"
+    with pytest.raises(bbio.AlreadyExistsError) as refused:
+        bbio.stage_out(comm, data, project / "data", config=config)
+    assert "read them there: config.yaml. Move aside" in str(refused.value)
+    assert same_on_all_ranks(comm, str(refused.value))
+    assert files_under(project / "data") == {"config.yaml": b"lr: 0.01  # edited on the PFS\n"}
+    write_on_every_node(comm, shared_tmp, "proj", "data/config.yaml", b"lr: 0.2\n", 10**18)
+    if comm.Get_rank() == 0:  # the PFS edit undone: the file is bbio's version again
+        (project / "data" / "config.yaml").write_bytes(b"lr: 0.1\n")
+        mtime = (
+            files.read_manifest(shared_tmp / "bb" / "0" / "proj")
+            .by_path()["data/config.yaml"]
+            .mtime_ns
+        )
+        os.utime(project / "data" / "config.yaml", ns=(mtime, mtime))
+    comm.Barrier()
+    bbio.stage_out(comm, data, project / "data", config=config)
+    assert files_under(project / "data") == {
+        "config.yaml": b"lr: 0.2\n",
+        "results.txt": b"loss 0.3",
+    }
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_file_edited_on_the_pfs_since_the_last_stage_out_is_not_replaced(comm, shared_tmp):
     """The destination's manifest records what stage-out wrote: a result edited on the PFS
     since is refused, whether the job changed its own copy or not; what the job changed

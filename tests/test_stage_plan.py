@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from bbio.errors import IntegrityError
+from bbio.errors import IntegrityError, NotDirectoryError
 from bbio.stage import plan
 from bbio.stage.plan import DestState, Piece
-from bbio.stage.walk import selected
+from bbio.stage.walk import check_source, selected
 from bbio.transfer.files import is_temp_name, temp_name, temp_path, unique_temp_path
 from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry, Manifest
 
@@ -128,6 +128,16 @@ def test_merge_node_trees_dedupes_identical_and_reports_conflicts():
     chosen, conflicts = plan.merge_node_trees([node0, node1])
     assert chosen == {"out": 0, "out/a": 0, "shared": 0, "clash": 0, "out/b": 1}
     assert conflicts == [plan.Conflict("clash", (0, 1))]
+
+
+def test_symlinks_to_one_target_made_at_different_times_are_no_conflict():
+    """Before, two nodes' "latest -> ckpt-10", made a second apart, refused the stage-out."""
+    node0 = [Entry("latest", SYMLINK, mtime_ns=1, target="ckpt-10")]
+    node1 = [Entry("latest", SYMLINK, mtime_ns=2, target="ckpt-10")]
+    node2 = [Entry("latest", SYMLINK, mtime_ns=2, target="ckpt-20")]
+    assert plan.merge_node_trees([node0, node1]) == ({"latest": 0}, [])
+    _, conflicts = plan.merge_node_trees([node0, node1, node2])
+    assert conflicts == [plan.Conflict("latest", (0, 1, 2))]
 
 
 def test_what_is_seen_through_a_destination_symlink_is_not_there():
@@ -351,3 +361,21 @@ def test_a_manifest_without_kind_is_damaged_and_unknown_fields_are_ignored():
         Manifest.from_json(document, "here")
     with pytest.raises(IntegrityError, match="damaged manifest"):
         Manifest.from_json({**document, "kind": "stage-in", "entries": [{"kind": "file"}]}, "h")
+
+
+def test_the_hint_for_a_file_as_the_source_names_a_glob_that_matches_it(tmp_path):
+    one = tmp_path / "run[1].h5"
+    one.write_bytes(b"x")
+    with pytest.raises(NotDirectoryError) as info:
+        check_source(one)
+    pattern = re.search(r"--include '([^']*)'", str(info.value)).group(1)
+    assert selected(one.name, [pattern], [])  # before, 'run[1].h5' matched only run1.h5
+
+
+def test_kind_changes_are_directories_against_anything_but_a_symlink():
+    source = [Entry("f", DIR), f("d", 1), Entry("k", SYMLINK, target="kk"), Entry("s", DIR)]
+    source += [f("same", 1), Entry("dd", DIR)]
+    dest = {"f": DestState(FILE, 1, 1), "d": DestState(DIR, 0, 1), "k": DestState(DIR, 0, 1)}
+    dest |= {"s": DestState(SYMLINK, 0, 1, "x"), "same": DestState(FILE, 2, 2)}
+    dest |= {"dd": DestState(DIR, 0, 1)}
+    assert plan.kind_changes(source, dest) == ["f", "d", "k"]  # s: replaced as it is

@@ -6,6 +6,7 @@ symlink is never followed.  On 2 or 4 ranks in 2 virtual nodes."""
 from __future__ import annotations
 
 import os
+import shutil
 import threading
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from tests.test_stage import (
     assert_removed_during_the_copy,
     change_until_copied,
     files_under,
+    same_on_all_ranks,
     stage_in_while_changing,
     two_nodes,
 )
@@ -49,6 +51,57 @@ def test_a_symlink_replaced_by_a_directory_in_the_source_is_not_written_through(
         assert not (copy / "b").is_symlink()
         assert (copy / "a" / "x").read_bytes() == b"content of a/x"
         assert (copy / "b" / "x").read_bytes() == b"CONTENT OF B/X"
+
+
+def test_a_path_that_changed_kind_in_the_source_is_copied_anew_by_the_rerun(comm, shared_tmp):
+    """Before, every rerun failed ("File exists", "Is a directory") until the user removed
+    the copy's paths by hand, and left a temporary symlink behind."""
+    src, config = shared_tmp / "pfs" / "kinds", two_nodes(comm, shared_tmp)
+    dst = shared_tmp / "bb" / "{node}" / "kinds"
+    if comm.Get_rank() == 0:
+        for directory in ("d/sub", "k", "mine"):
+            (src / directory).mkdir(parents=True)
+        for name in ("f", "d/g", "d/sub/h", "k/x", "mine/y"):
+            (src / name).write_bytes(f"old {name}".encode())
+    comm.Barrier()
+    bbio.stage_in(comm, src, dst, config=config)
+    node = comm.Get_rank() * 2 // comm.Get_size()
+    copy = shared_tmp / "bb" / str(node) / "kinds"
+    if comm.Get_rank() == 0:
+        (src / "f").unlink()  # a file, now a directory
+        (src / "f").mkdir()
+        (src / "f" / "inner").write_bytes(b"new f/inner")
+        shutil.rmtree(src / "d")  # a directory, now a file
+        (src / "d").write_bytes(b"new d")
+        shutil.rmtree(src / "k")  # a directory, now a symlink
+        (src / "kk").mkdir()
+        (src / "kk" / "x").write_bytes(b"new kk/x")
+        (src / "k").symlink_to("kk")
+        shutil.rmtree(src / "mine")
+        (src / "mine").write_bytes(b"new mine")
+    comm.Barrier()
+    if comm.Get_rank() % (comm.Get_size() // 2) == 0:
+        (copy / "mine" / "results.txt").write_bytes(b"the job's own file")  # not bbio's
+    comm.Barrier()
+    with pytest.raises(bbio.AlreadyExistsError) as refused:
+        bbio.stage_in(comm, src, dst, config=config)
+    message = str(refused.value)
+    assert same_on_all_ranks(comm, message)
+    assert "1 path(s) of the copy changed kind in the source" in message and "mine" in message
+    assert (copy / "mine" / "results.txt").read_bytes() == b"the job's own file"
+    comm.Barrier()
+    if comm.Get_rank() % (comm.Get_size() // 2) == 0:
+        shutil.move(copy / "mine" / "results.txt", copy.parent / "results.txt")  # as told
+    comm.Barrier()
+    bbio.stage_in(comm, src, dst, config=config, verify=True)
+    assert files_under(copy) == {
+        "f/inner": b"new f/inner",
+        "d": b"new d",
+        "kk/x": b"new kk/x",
+        "mine": b"new mine",
+    }
+    assert os.readlink(copy / "k") == "kk"
+    assert not list(copy.rglob("*bbio-part"))
 
 
 @pytest.mark.timeout(120)

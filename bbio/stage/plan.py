@@ -95,6 +95,20 @@ def not_through_symlinks(
     }
 
 
+def kind_changes(entries: Iterable[Entry], dest: Mapping[str, DestState]) -> list[str]:
+    """Stage-in: the paths of ``entries`` where the destination holds a directory and the
+    source now has not, or the other way round (a symlink where the source has a
+    directory is not one: it is replaced as it is, never followed).  What is there must
+    go before the copy."""
+    return [
+        e.path
+        for e in entries
+        if e.path in dest
+        and dest[e.path].kind != SYMLINK
+        and (dest[e.path].kind == DIR) != (e.kind == DIR)
+    ]
+
+
 def to_copy(entries: Iterable[Entry], dest: Mapping[str, DestState]) -> list[Entry]:
     """The files and symlinks of ``entries`` whose destination is missing or different."""
     return [e for e in entries if e.kind != DIR and not up_to_date(e, dest.get(e.path))]

@@ -16,6 +16,7 @@ import itertools
 import logging
 import os
 import posixpath
+import shutil
 import stat
 import time
 from collections.abc import Iterable, Sequence
@@ -232,6 +233,63 @@ def _make_dirs(root: Path, dirs: Iterable[Entry], node: int | None) -> None:
                 node=node,
                 hint="choose a destination you may write to, or move what is in the way",
             ) from None
+
+
+def _make_way(root: Path, paths: Sequence[str], old: Manifest | None, node: int) -> None:
+    """Stage-in: delete what ``root`` holds at ``paths`` (:func:`plan.kind_changes`: a file
+    where the source now has a directory, a directory where it has a file or a symlink),
+    when all of it is bbio's earlier copy as the previous manifest ``old`` records it (for
+    a directory, everything in it: its own entry may be withdrawn already, by a run that
+    failed); else raise :class:`AlreadyExistsError` naming the paths, before anything is
+    copied.  Not collective."""
+    recorded = {} if old is None else old.by_path()
+    blocked = []
+    for path in paths:
+        full = root / path
+        is_dir = full.is_dir() and not full.is_symlink()
+        inside = [] if is_dir else [path]
+        if is_dir:
+            for top, dirs, names in os.walk(full):
+                below = os.path.relpath(top, root)
+                inside += [f"{below}/{n}" for n in (*dirs, *names) if not files.is_temp_name(n)]
+        if all(_is_recorded_copy(root, p, recorded.get(p)) for p in inside):
+            try:
+                if is_dir:
+                    shutil.rmtree(full)
+                else:
+                    full.unlink()
+            except OSError as exc:
+                raise from_oserror(exc, "remove an earlier copy", full, node=node) from None
+        else:
+            blocked.append(path)
+    if blocked:
+        raise AlreadyExistsError(
+            f"{len(blocked)} path(s) of the copy changed kind in the source (a file now a "
+            "directory, or the other way round) and hold what bbio did not copy there: "
+            + ", ".join(blocked[:20]),
+            path=root,
+            node=node,
+            hint="move aside what you want to keep there, or remove it, and rerun",
+        )
+
+
+def _is_recorded_copy(root: Path, path: str, entry: Entry | None) -> bool:
+    """Whether ``root/path`` is the version of it the previous manifest's ``entry`` records
+    (a directory, a file of its size and mtime, a symlink to its target)."""
+    if entry is None:
+        return False
+    full = root / path
+    try:
+        st = os.lstat(full)
+    except FileNotFoundError:
+        return True  # gone meanwhile: nothing to keep
+    if entry.kind == DIR or stat.S_ISDIR(st.st_mode):
+        return entry.kind == DIR and stat.S_ISDIR(st.st_mode)
+    if stat.S_ISLNK(st.st_mode):
+        now = plan.DestState(SYMLINK, 0, st.st_mtime_ns, os.readlink(full))
+    else:
+        now = plan.DestState(FILE, st.st_size, st.st_mtime_ns)
+    return plan.is_recorded(now, [entry], [])
 
 
 def _recorded_modes(manifest: Manifest | None) -> dict[str, int]:
@@ -475,14 +533,14 @@ def _copy_round(job: _Transfer, todo: list[Entry], progress: Progress) -> _Copie
             message = f"{len(all_changed)} file(s) kept changing while being copied: " + ", ".join(
                 all_changed[:20]
             )
+            for path in changed:  # no temporary copy left to fill the device until a rerun
+                files.temp_path(dst_root / path).unlink(missing_ok=True)
             if not job.skip_unreadable:
                 raise IntegrityError(
                     message,
                     hint="stop what writes to them, or pass --skip-unreadable to skip them",
                 )
             job.skipped.extend(Skipped(p, "kept changing while being copied") for p in all_changed)
-            for path in changed:
-                files.temp_path(dst_root / path).unlink(missing_ok=True)
             break
         time.sleep(RETRY_BACKOFF_SECONDS * attempt)
         if topo.is_leader:  # sealed with the source's mode, maybe read-only: made anew
@@ -753,6 +811,9 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     chmod = plan.to_chmod(mine, current, _recorded_modes(old))
     with agreed(comm, "stage-in: removing what an interrupted run left"):
         remove_leftovers(topo.node_comm, dst_root, [d.path for d in dirs], _parents([old]))
+    with agreed(comm, "stage-in: making way where the source changed kind"):
+        if topo.is_leader:
+            _make_way(dst_root, plan.kind_changes(mine, current), old, topo.node)
     with agreed(comm, "stage-in: checking burst-buffer space"):
         if topo.is_leader:
             _check_capacity(
@@ -957,15 +1018,21 @@ def _recorded_versions(
         if not (topo.is_leader and wanted):
             return []
         try:
-            manifest = files.read_manifest(src_root)
+            found = _nearest_manifest(src_root)
         except BBIOError as exc:
             log.warning("stage-out: node %d: ignoring its stage-in manifest: %s", topo.node, exc)
             return []
-        if manifest is None or manifest.kind != "stage-in":
+        if found is None or found[0].kind != "stage-in":
             return []
-        if manifest.attrs.get("source") != source:
+        manifest, below = found  # SRC is the copy of source/below: DST itself, if equal
+        if os.path.normpath(os.path.join(str(manifest.attrs.get("source")), below)) != source:
             return []
-        return [e for e in manifest.entries if e.path in wanted]
+        prefix = "" if below == "." else below + "/"
+        return [
+            dataclasses.replace(e, path=e.path[len(prefix) :])
+            for e in manifest.entries
+            if e.path.startswith(prefix) and e.path[len(prefix) :] in wanted
+        ]
 
     def by_path(versions: Iterable[Entry]) -> dict[str, list[Entry]]:
         found: dict[str, list[Entry]] = {}
@@ -978,6 +1045,18 @@ def _recorded_versions(
     read = agreed_allgather(comm, what, stage_in_record)
     written = itertools.chain(*(d.entries for d in documents if d is not None))
     return by_path(written), by_path(itertools.chain(*read))
+
+
+def _nearest_manifest(root: Path) -> tuple[Manifest, str] | None:
+    """The manifest of ``root``, or else of its nearest directory above that has one (a
+    subtree of a staged tree), with ``root``'s path below that directory (``"."`` for
+    ``root`` itself); None if none has.  Not collective."""
+    root = root.resolve()
+    for top in (root, *root.parents):
+        manifest = files.read_manifest(top)
+        if manifest is not None:
+            return manifest, root.relative_to(top).as_posix()
+    return None
 
 
 def _leading_out(comm, root: Path, links: Sequence[str]) -> set[str]:

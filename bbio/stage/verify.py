@@ -1,6 +1,7 @@
 """``bbio verify SRC DST``: re-read both sides of a finished transfer and compare with its manifest.
 
-The manifest is DST's (one per node when DST contains ``{node}``).  Each byte is
+The manifest is DST's (one per node when DST is a stage-in's copy: a path with
+``{node}``, or a node-local path such as ``/local/nvme/x`` on real hosts).  Each byte is
 read once: a shared side's files are dealt out over all ranks, a per-node
 side's files over the ranks of the node that holds them.  Caches are dropped
 before reading, so the bytes come from the devices.
@@ -111,7 +112,9 @@ def verify(
 ) -> VerifyReport:
     """Collective over ``comm``: compare SRC and DST with DST's manifest, by re-reading both.
 
-    Either side may contain ``{node}`` (a per-node burst buffer).  Raises
+    Either side may contain ``{node}`` (a per-node burst buffer); without it, the side
+    a stage-in or stage-out left on every node (its destination, or its source) is
+    still each node's own, as on real hosts.  Raises
     :class:`IntegrityError` naming every file that differs or is missing, every
     manifest a transfer left ``unfinished`` (it failed or was interrupted; a finished
     copy that filtered or skipped files is checked for what it holds) and every file
@@ -138,6 +141,17 @@ def verify(
                     node=topo.node if dst_per_node else None,
                     hint="run the stage-in or stage-out command (again) first",
                 )
+        # A node-local side needs no {node} on real hosts (/local/nvme/x is each host's
+        # own): the manifest tells which side a transfer left on every node.
+        kinds = sorted(set(comm.allgather(manifest.kind)))
+        if len(kinds) != 1:
+            raise IntegrityError(
+                f"the destination's manifests are of different transfers ({', '.join(kinds)})",
+                path=files.manifest_path(dst_root),
+                hint="verify each transfer against its own destination",
+            )
+        dst_per_node = dst_per_node or kinds[0] == "stage-in"
+        src_per_node = src_per_node or kinds[0] == "stage-out"
         checkable = [
             e
             for e in manifest.entries

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import glob
 import os
 import stat
 from collections.abc import Iterator, Sequence
@@ -255,7 +256,7 @@ def check_source(root: Path, node: int | None = None) -> None:
             path=root,
             node=node,
             hint=f"staging copies directories: for this file alone, pass {root.parent} and "
-            f"--include '{root.name}' (include=['{root.name}'])",
+            f"--include '{glob.escape(root.name)}' (include=['{glob.escape(root.name)}'])",
         )
 
 

@@ -61,7 +61,10 @@ class Entry:
         )
 
     def same_version(self, other: Entry) -> bool:
-        """True if both describe the same version of a path (kind, size, mtime, target)."""
+        """True if both describe the same version of a path: kind, size and mtime, or for
+        symlinks their target (two links to one target are one version, whenever made)."""
+        if self.kind == SYMLINK or other.kind == SYMLINK:
+            return (self.kind, self.target) == (other.kind, other.target)
         return (self.kind, self.size, self.mtime_ns, self.target) == (
             other.kind,
             other.size,
