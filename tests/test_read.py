@@ -308,3 +308,50 @@ def test_loader_stopped_early_does_not_hang(comm, datasets):
                 break
         loader.close()
         assert len(ds.read([0])) == 1  # the dataset's collectives are still in step
+
+
+@pytest.mark.parametrize("count_changed", [False, True])
+def test_nodes_whose_complete_copies_differ_read_the_pfs_copy(comm, shared_tmp, count_changed):
+    """The PFS directory changed, and only node 0 staged it again.  Before, node 1's ranks
+    numbered the samples by their own, older list (wrong bytes), or died with a raw
+    IndexError when the counts differed."""
+    root = shared_tmp / "pfs" / "changing"
+    config = config_for(comm, shared_tmp)
+    if comm.Get_rank() == 0:
+        root.mkdir(parents=True)
+        for i in range(10):
+            (root / f"f{i}").write_bytes(sample_bytes(i, 300))
+    comm.Barrier()
+    bbio.stage_in(comm, root, f"{config.bb_root}/changing", config=config)
+    if comm.Get_rank() == 0:
+        (root / "f9").unlink()
+        (root / "f00").write_bytes(sample_bytes(100, 300))  # sorts before f1
+        if count_changed:
+            (root / "f0a").write_bytes(sample_bytes(101, 300))
+    comm.Barrier()
+    node = comm.Get_rank() // (comm.Get_size() // 2)
+    node_0 = comm.Split(0 if node == 0 else 1, comm.Get_rank())
+    if node == 0:  # stages again on node 0 alone
+        bbio.stage_in(node_0, root, f"{config.bb_root}/changing", config=config)
+    node_0.Free()
+    comm.Barrier()
+    names = sorted(p.name for p in root.iterdir())
+    with bbio.open_dataset(comm, root, config=config) as ds:
+        assert len(ds) == len(names)
+        got = ds.read(list(range(len(names))))
+    assert [g.tobytes() for g in got] == [(root / name).read_bytes() for name in names]
+
+
+def test_an_hdf5_file_with_a_user_block_is_read_as_hdf5(comm, shared_tmp):
+    """Its signature sits after the user block (at 4096 here), not at byte 0: before, it
+    was taken for a raw file and refused."""
+    path = shared_tmp / "user-block.h5"
+    data = np.arange(200, dtype=np.int64).reshape(50, 4)
+    if comm.Get_rank() == 0:
+        with h5py.File(path, "w", userblock_size=4096) as f:
+            f.create_dataset("a", data=data)
+    comm.Barrier()
+    with bbio.open_dataset(comm, path, config=config_for(comm, shared_tmp)) as ds:
+        assert len(ds) == 50
+        got = ds.read([0, 7, 49])
+    assert [g.tolist() for g in got] == [data[0].tolist(), data[7].tolist(), data[49].tolist()]

@@ -53,7 +53,6 @@ from bbio.errors import (
 from bbio.mpi import (
     agreed,
     agreed_allgather,
-    all_agree,
     gather_in_call,
     same_arguments,
     topology,
@@ -349,10 +348,10 @@ def _directory_layout(comm, root: Path, staged: Path | None) -> Layout:
     with agreed(comm, f"opening the dataset {root}: reading its staged copy's manifest"):
         manifest = read_manifest(staged) if staged is not None else None
     complete = manifest is not None and manifest.attrs.get("complete") is True
-    if all_agree(comm, complete):  # every node's copy: else every rank walks the PFS
-        assert manifest is not None
-        entries = [e for e in manifest.entries if e.kind == FILE]
-    else:
+    entries = [e for e in manifest.entries if e.kind == FILE] if complete else []
+    listing = hashlib.sha256(repr([(e.path, e.size) for e in entries]).encode()).hexdigest()
+    listings = set(comm.allgather(listing if complete else None))
+    if len(listings) != 1 or None in listings:  # not one list on every node: the PFS's
         tree = walk(comm, root)
         check_readable(
             tree,
@@ -1044,8 +1043,17 @@ _KINDS = {
 
 
 def _is_hdf5(path: Path) -> bool:
+    """Whether ``path`` holds HDF5's signature where HDF5 looks for it: at byte 0, or after
+    a user block, at 512, 1024, 2048 and every power of two above, within the file."""
     try:
         with open(path, "rb") as f:
-            return f.read(8) == HDF5_SIGNATURE
+            size = os.fstat(f.fileno()).st_size
+            offset = 0
+            while offset + len(HDF5_SIGNATURE) <= size:
+                f.seek(offset)
+                if f.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE:
+                    return True
+                offset = max(512, offset * 2)
+            return False
     except OSError as exc:
         raise from_oserror(exc, "open", path) from None
