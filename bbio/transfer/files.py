@@ -346,7 +346,8 @@ def rename_durably(temp: Path, final: Path) -> None:
 
 
 def read_json(path: Path) -> dict[str, Any] | None:
-    """The JSON object at ``path``, or None if there is none.
+    """The JSON object at ``path``, or None if there is none (also when a directory above
+    it is a file).
 
     Raises :class:`IntegrityError` when the file is not valid JSON or not an
     object (bbio writes its documents whole, and each is an object: such a file
@@ -355,7 +356,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
     try:
         with open(path, "rb") as f:
             document = json.load(f)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
     except OSError as exc:
         raise _fail(exc, "read", path) from None
