@@ -586,7 +586,6 @@ def test_bad_state_is_the_same_clear_error_everywhere(comm, shared_tmp):
             ckpt.restore()
 
 
-@pytest.mark.timeout(150)
 def save_step_1_then_kill_its_drains(comm, shared_tmp, ckpt):
     """Collective: save step 1 of ``ckpt`` while a file sits where its PFS directory goes,
     kill each node's drain once it retries, then remove the file: the step stays queued,
@@ -613,6 +612,7 @@ def save_step_1_then_kill_its_drains(comm, shared_tmp, ckpt):
     return handle
 
 
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("policy", ["block", "skip"])
 def test_a_drain_that_died_is_started_again_while_saves_wait(comm, shared_tmp, policy):
     """A drain killed with a task queued: a blocking save, a skipping one and close wait
@@ -652,6 +652,7 @@ def test_a_burst_buffer_copy_of_a_save_made_again_since_is_not_restored(comm, sh
         assert np.array_equal(arrays["x"], np.full(4, 2.0)), rank
 
 
+@pytest.mark.timeout(150)
 def test_a_wait_that_times_out_says_the_drain_is_not_running(comm, shared_tmp):
     """Before, it blamed the PFS ("check that the PFS is writable")."""
     config = config_for(comm, shared_tmp)

@@ -1895,5 +1895,14 @@ def test_files_of_a_save_killed_before_its_record_are_deleted_in_both_tiers(tmp_
     drain.damaged_on_pfs(kept_for_the_admin).write_text("{}")
     draining = pfs / layout.step_dirname(9)  # newer than the newest commit: still draining
     draining.mkdir()
+    (pfs / layout.step_dirname(2)).write_text("not bbio's")  # named like steps: not theirs
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("outside the checkpoint")
+    (pfs / layout.step_dirname(4)).symlink_to(elsewhere)
     drain.apply_pfs_retention(pfs, 1)
-    assert drain.steps_in(pfs) == [3, 8, 9]
+    assert drain.steps_in(pfs) == [2, 3, 4, 8, 9]
+    assert (elsewhere / "keep").exists() and not list(pfs.glob(".retiring*"))
+    (bb0 / layout.step_dirname(1)).write_text("not bbio's")  # a file: no step directory
+    drain.trim_bb(bb0, 0, 2, pfs, j0)  # before these fixes: NotDirectoryError
+    assert (bb0 / layout.step_dirname(1)).read_text() == "not bbio's"

@@ -781,3 +781,16 @@ def test_a_read_only_file_that_changed_is_copied_again_without_root_powers(tmp_p
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["1", "True", "0o100444"]
+
+
+def test_verify_on_fewer_nodes_than_a_shard_stage_in_is_refused(tmp_path, small_src):
+    """Before, the files the missing node held were read by no rank, and verify passed."""
+    dst = str(tmp_path / "bb" / "{node}")
+    assert_ok(stage_in(4, "2", small_src, dst, "--mode", "shard"))
+    one_node = run_mpi(
+        2, "-m", "bbio", "verify", str(small_src), dst,
+        env={"BBIO_RANKS_PER_NODE": "2"}, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    assert one_node.returncode == 1, one_node.stdout + one_node.stderr
+    assert "the transfer left files on 2 nodes, and this verify runs on 1" in one_node.stderr
+    assert "Traceback" not in one_node.stderr

@@ -439,3 +439,34 @@ def test_a_colleagues_directory_in_the_destination_blocks_nothing(open_tmp):
     done = stage_out("--overwrite")
     assert done.returncode == 0, done.stdout + done.stderr
     assert (pfs / "shared" / "r.txt").read_bytes() == b"node x"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the capabilities needs root")
+def test_a_read_only_directory_copy_that_became_a_file_is_replaced_without_privileges(open_tmp):
+    """Stage-in copies a 0555 directory as 0555; when the source's directory becomes a
+    file, the rerun must delete the copy (before, rmtree failed: Permission denied)."""
+    src = open_tmp / "src"
+    (src / "d" / "sub").mkdir(parents=True)
+    (src / "d" / "sub" / "h").write_bytes(b"old")
+    for directory in (src / "d" / "sub", src / "d"):
+        directory.chmod(0o555)
+    env = {**os.environ, **MPI_ENV, "BBIO_RANKS_PER_NODE": "1", "BBIO_PROGRESS": "never"}
+    command = ["setpriv", f"--bounding-set={DROP}", f"--inh-caps={DROP}", "--"]
+    command += ["mpirun", "-n", "2", sys.executable, "-m", "bbio", "stage-in"]
+    command += [str(src), str(open_tmp / "bb" / "{node}" / "x")]
+
+    def stage_in() -> subprocess.CompletedProcess:
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+
+    done = stage_in()
+    assert done.returncode == 0, done.stdout + done.stderr
+    copy = open_tmp / "bb" / "0" / "x"
+    assert stat.S_IMODE((copy / "d" / "sub").stat().st_mode) == 0o555
+    for directory in (src / "d", src / "d" / "sub"):
+        directory.chmod(0o755)
+    shutil.rmtree(src / "d")
+    (src / "d").write_bytes(b"now a file")
+    done = stage_in()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (copy / "d").read_bytes() == b"now a file"
+    assert [e.path for e in files.read_manifest(copy).entries if e.kind != "dir"] == ["d"]

@@ -89,6 +89,7 @@ def test_a_path_that_changed_kind_in_the_source_is_copied_anew_by_the_rerun(comm
     assert same_on_all_ranks(comm, message)
     assert "1 path(s) of the copy changed kind in the source" in message and "mine" in message
     assert (copy / "mine" / "results.txt").read_bytes() == b"the job's own file"
+    assert (copy / "f").is_file() and (copy / "d" / "g").is_file()  # refused: nothing deleted
     comm.Barrier()
     if comm.Get_rank() % (comm.Get_size() // 2) == 0:
         shutil.move(copy / "mine" / "results.txt", copy.parent / "results.txt")  # as told

@@ -26,7 +26,7 @@ class Row:
     name: str
     step: int
     bb: str  # this node's copy: "complete", "complete, not the committed save" or "-"
-    pfs: str  # as in :func:`bbio.checkpoint.checkpointer.describe_pfs`, or "-"
+    pfs: str  # as in :func:`bbio.checkpoint.drain.describe_pfs`, or "-"
     queue: str  # this node's drain journal: "queued", "set aside" (damaged), "damaged task" or "-"
 
 
@@ -72,13 +72,11 @@ def list_checkpoints(
     Not collective.  Raises :class:`NotFoundError` when neither root exists, or
     ``name`` is in neither.
     """
-    from bbio.checkpoint.checkpointer import describe_pfs
-
     rows = []
     for n in _names_to_look_at(bb_root, pfs_root, name):
         bb_dir, pfs_dir = bb_root / layout.CKPT_DIR / n, pfs_root / layout.CKPT_DIR / n
         local = reader.bb_copies(bb_dir, node)
-        pfs, committed = describe_pfs(pfs_dir)
+        pfs, committed = drain.describe_pfs(pfs_dir)
         journal = drain.journal_dir(bb_dir)
         queue = {step: "set aside" for step in drain.set_aside(journal)}
         tasks, damaged = drain.read_queue(journal)

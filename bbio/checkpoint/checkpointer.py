@@ -293,7 +293,8 @@ class Checkpointer:
             _OPEN[directory] = self
 
     def _directories(self) -> tuple[str, str]:
-        """The checkpointer's directories on the PFS and in this node's burst buffer."""
+        """The checkpointer's directories on the PFS and in this node's burst buffer.  Not
+        collective."""
         return os.path.abspath(self.pfs_dir), os.path.abspath(self.bb_dir)
 
     def _refuse_if_open_twice(self) -> None:
@@ -980,7 +981,7 @@ class Checkpointer:
         saves: dict[int, Any] = {}
         with agreed(self.comm, f"checkpoint {self.name}: listing"):
             if self.rank == 0:
-                pfs, saves = describe_pfs(self.pfs_dir)
+                pfs, saves = drain.describe_pfs(self.pfs_dir)
             local = reader.bb_copies(self.bb_dir, self.node) if self.topo.is_leader else None
         pfs, saves = self.comm.bcast((pfs, saves), root=0)
         per_node = [c for c in self.comm.allgather(local) if c is not None]
@@ -1081,30 +1082,6 @@ def _non_string_keys(value: Any) -> Iterator[Any]:
         items = value if isinstance(value, (list, tuple)) else ()
     for item in items:
         yield from _non_string_keys(item)
-
-
-def describe_pfs(pfs_ckpt_dir: Path) -> tuple[dict[int, str], dict[int, Any]]:
-    """Steps on the PFS: committed, draining (some node files there), "damaged manifest"
-    (not valid JSON), or "damaged node N" (node N's file of the step's latest save is
-    damaged: set aside, never committed); and the committed saves' times, as
-    :func:`drain.committed_saves` (each manifest is read once).  Not collective."""
-    states: dict[int, str] = {}
-    saves: dict[int, Any] = {}
-    for step in drain.steps_in(pfs_ckpt_dir):
-        step_dir = pfs_ckpt_dir / layout.step_dirname(step)
-        try:
-            manifest = drain.read_manifest(step_dir)
-        except IntegrityError:
-            states[step] = "damaged manifest"
-            continue
-        damaged = None if manifest else drain.read_damaged(step_dir)
-        if damaged is not None:
-            states[step] = f"damaged node {damaged.get('node')}"
-        else:
-            states[step] = "committed" if manifest else "draining"
-        if manifest is not None:
-            saves[step] = manifest.get("time")
-    return states, saves
 
 
 def _min():

@@ -1232,6 +1232,30 @@ def committed_saves(ckpt_dir: Path) -> dict[int, Any]:
     return saves
 
 
+def describe_pfs(pfs_ckpt_dir: Path) -> tuple[dict[int, str], dict[int, Any]]:
+    """Steps on the PFS: committed, draining (some node files there), "damaged manifest"
+    (not valid JSON), or "damaged node N" (node N's file of the step's latest save is
+    damaged: set aside, never committed); and the committed saves' times, as
+    :func:`committed_saves` (each manifest is read once).  Not collective."""
+    states: dict[int, str] = {}
+    saves: dict[int, Any] = {}
+    for step in steps_in(pfs_ckpt_dir):
+        step_dir = pfs_ckpt_dir / layout.step_dirname(step)
+        try:
+            manifest = read_manifest(step_dir)
+        except IntegrityError:
+            states[step] = "damaged manifest"
+            continue
+        damaged = None if manifest else read_damaged(step_dir)
+        if damaged is not None:
+            states[step] = f"damaged node {damaged.get('node')}"
+        else:
+            states[step] = "committed" if manifest else "draining"
+        if manifest is not None:
+            saves[step] = manifest.get("time")
+    return states, saves
+
+
 def apply_pfs_retention(ckpt_dir: Path, keep: int) -> list[int]:
     """Delete committed checkpoints older than the ``keep`` newest, and the directories of
     steps older than those that were never committed (a save killed after some nodes'
@@ -1275,14 +1299,29 @@ def apply_pfs_retention(ckpt_dir: Path, keep: int) -> list[int]:
 
 
 def _abandoned(step_dir: Path) -> bool:
-    """A PFS step directory with neither a manifest nor a damaged-file marker: never
-    committed, nothing kept for the admin."""
+    """A PFS step directory (a real one: not a file or a symlink named like it) with
+    neither a manifest nor a damaged-file marker: never committed, nothing kept for the
+    admin.  Not collective."""
+    if not _is_real_dir(step_dir):
+        return False
     return not manifest_path(step_dir).exists() and not damaged_on_pfs(step_dir).exists()
 
 
+def _is_real_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory, not a symlink to one.  Not collective."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def _remove_tree(path: Path) -> None:
-    """Remove ``path`` and everything below it, never following a symlink; what another
-    process removes meanwhile is passed over."""
+    """Remove ``path`` and everything below it, never following a symlink (``path`` itself
+    included); what another process removes meanwhile is passed over.  Not collective."""
+    if not _is_real_dir(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
     for top, dirs, names in os.walk(path, topdown=False):
         for name in names:
             with contextlib.suppress(FileNotFoundError):
@@ -1324,7 +1363,8 @@ def trim_bb(
     drain calls it after each task, and a save calls it (without ``recycle``)
     when the burst buffer is short of room.  The PFS is looked at only when
     there are copies beyond ``keep``, and then for its newest committed step
-    (:func:`newest_committed_step`).  Returns how many are left beyond it.
+    (:func:`newest_committed_step`), or when a step directory holds no record (below).
+    Returns how many are left beyond it.
 
     A node file (or temporary file) without a record, of a step older than both
     this node's newest recorded copy and the newest committed step, and not
@@ -1337,7 +1377,13 @@ def trim_bb(
     copies = sorted(recorded)
     surplus = copies[: max(len(copies) - keep, 0)]
     # a save killed before its record: its file (or temporary file) is nobody's
-    unrecorded = [s for s in steps if s not in recorded and s < (copies or [-1])[-1]]
+    unrecorded = [
+        s
+        for s in steps
+        if s not in recorded
+        and s < (copies or [-1])[-1]
+        and _is_real_dir(bb_ckpt_dir / layout.step_dirname(s))
+    ]
     if not surplus and not unrecorded:
         return 0
     tasks, damaged = read_queue(journal)  # read after the listing
@@ -1376,7 +1422,7 @@ def trim_bb(
 
 def _drop_unrecorded(step_dir: Path, node: int) -> None:
     """Delete ``node``'s file and temporary file of a save that never recorded them (killed
-    in between), and the step's directory if that leaves it empty."""
+    in between), and the step's directory if that leaves it empty.  Not collective."""
     node_file = step_dir / layout.node_filename(node)
     try:
         for path in (node_file, files.temp_path(node_file)):

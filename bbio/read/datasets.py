@@ -1044,7 +1044,8 @@ _KINDS = {
 
 def _is_hdf5(path: Path) -> bool:
     """Whether ``path`` holds HDF5's signature where HDF5 looks for it: at byte 0, or after
-    a user block, at 512, 1024, 2048 and every power of two above, within the file."""
+    a user block, at 512, 1024, 2048 and every power of two above, within the file.  Not
+    collective."""
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size

@@ -240,26 +240,17 @@ def _make_way(root: Path, paths: Sequence[str], old: Manifest | None, node: int)
     where the source now has a directory, a directory where it has a file or a symlink),
     when all of it is bbio's earlier copy as the previous manifest ``old`` records it (for
     a directory, everything in it: its own entry may be withdrawn already, by a run that
-    failed); else raise :class:`AlreadyExistsError` naming the paths, before anything is
-    copied.  Not collective."""
+    failed).  Else raise :class:`AlreadyExistsError` naming the paths, before anything is
+    deleted or copied.  What is deleted leaves the manifest of ``root`` first.  Not
+    collective."""
     recorded = {} if old is None else old.by_path()
+    removable: list[tuple[Path, list[str]]] = []
     blocked = []
     for path in paths:
         full = root / path
-        is_dir = full.is_dir() and not full.is_symlink()
-        inside = [] if is_dir else [path]
-        if is_dir:
-            for top, dirs, names in os.walk(full):
-                below = os.path.relpath(top, root)
-                inside += [f"{below}/{n}" for n in (*dirs, *names) if not files.is_temp_name(n)]
-        if all(_is_recorded_copy(root, p, recorded.get(p)) for p in inside):
-            try:
-                if is_dir:
-                    shutil.rmtree(full)
-                else:
-                    full.unlink()
-            except OSError as exc:
-                raise from_oserror(exc, "remove an earlier copy", full, node=node) from None
+        inside = _paths_below(root, full) if _is_real_dir(full) else [path]
+        if inside is not None and all(_is_recorded_copy(root, p, recorded.get(p)) for p in inside):
+            removable.append((full, [path, *inside]))
         else:
             blocked.append(path)
     if blocked:
@@ -271,11 +262,48 @@ def _make_way(root: Path, paths: Sequence[str], old: Manifest | None, node: int)
             node=node,
             hint="move aside what you want to keep there, or remove it, and rerun",
         )
+    if not removable:
+        return
+    current = files.read_manifest(root)
+    if current is not None:
+        files.withdraw_entries(root, current, [p for _, gone in removable for p in gone])
+    for full, _ in removable:
+        try:
+            if _is_real_dir(full):
+                _let_owner_write(full)  # copied read-only (0555), as its source was
+                for top, dirs, _ in os.walk(full):
+                    for name in dirs:
+                        _let_owner_write(Path(top) / name)
+                shutil.rmtree(full)
+            else:
+                full.unlink()
+        except OSError as exc:
+            raise from_oserror(exc, "remove an earlier copy", full, node=node) from None
+
+
+def _is_real_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory, not a symlink to one.  Not collective."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _paths_below(root: Path, directory: Path) -> list[str] | None:
+    """The paths (relative to ``root``) of everything below ``directory`` but temporary
+    files, or None if a directory there cannot be listed.  Not collective."""
+    unlisted: list[OSError] = []
+    found = []
+    for top, dirs, names in os.walk(directory, onerror=unlisted.append):
+        below = os.path.relpath(top, root)
+        found += [f"{below}/{n}" for n in (*dirs, *names) if not files.is_temp_name(n)]
+    return None if unlisted else found
 
 
 def _is_recorded_copy(root: Path, path: str, entry: Entry | None) -> bool:
     """Whether ``root/path`` is the version of it the previous manifest's ``entry`` records
-    (a directory, a file of its size and mtime, a symlink to its target)."""
+    (a directory, a file of its size and mtime, a symlink to its target).  Not
+    collective."""
     if entry is None:
         return False
     full = root / path

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from bbio.arguments import path_argument
 from bbio.config import Config, load_config
-from bbio.errors import IntegrityError, NotFoundError
+from bbio.errors import IntegrityError, NotFoundError, UsageError
 from bbio.mpi import agreed, deal, same_arguments, sum_over_ranks, topology
 from bbio.report import format_bytes, format_table
 from bbio.stage.walk import check_source, symlink_target
@@ -152,6 +152,16 @@ def verify(
             )
         dst_per_node = dst_per_node or kinds[0] == "stage-in"
         src_per_node = src_per_node or kinds[0] == "stage-out"
+        holders = {e.node for e in manifest.entries if e.node is not None}
+        needed = max(comm.allgather(max(holders, default=-1) + 1))
+        if needed > topo.nodes:  # a per-node side's files of the missing nodes: read by none
+            raise UsageError(
+                f"the transfer left files on {needed} nodes, and this verify runs on "
+                f"{topo.nodes}: the files of the others would not be read",
+                path=files.manifest_path(dst_root),
+                hint="run bbio verify on as many nodes as the transfer (the same ranks per "
+                "node), in the same allocation",
+            )
         checkable = [
             e
             for e in manifest.entries
