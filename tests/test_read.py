@@ -355,3 +355,33 @@ def test_an_hdf5_file_with_a_user_block_is_read_as_hdf5(comm, shared_tmp):
         assert len(ds) == 50
         got = ds.read([0, 7, 49])
     assert [g.tolist() for g in got] == [data[0].tolist(), data[7].tolist(), data[49].tolist()]
+
+
+def test_nodes_that_staged_different_packs_read_the_pfs_pack(comm, shared_tmp):
+    """The source changed and was packed again (same shard sizes), and only node 1 staged
+    the new pack.  Before, every rank took node 0's old index, and node 1's ranks read
+    its new shards with it: other bytes for the same sample."""
+    src, out = shared_tmp / "pfs" / "src", shared_tmp / "pfs" / "packed"
+    config = config_for(comm, shared_tmp)
+    if comm.Get_rank() == 0:
+        src.mkdir(parents=True)
+        for i in range(40):
+            (src / f"f{i:02d}").write_bytes(sample_bytes(i, 5000))
+    comm.Barrier()
+    bbio.pack(comm, src, out, shard_size=50_000, config=config)
+    bbio.stage_in(comm, out, f"{config.bb_root}/packed", config=config)
+    if comm.Get_rank() == 0:
+        (src / "f05").rename(src / "f99")  # the same sizes, another order
+    comm.Barrier()
+    bbio.pack(comm, src, out, shard_size=50_000, config=config)
+    node = comm.Get_rank() // (comm.Get_size() // 2)
+    node_1 = comm.Split(int(node == 1), comm.Get_rank())
+    if node == 1:  # stages the new pack on node 1 alone
+        single = dataclasses.replace(config, bb_root=str(shared_tmp / "bb" / "1"))
+        bbio.stage_in(node_1, out, f"{single.bb_root}/packed", config=single)
+    node_1.Free()
+    comm.Barrier()
+    names = sorted(p.name for p in src.iterdir())
+    with bbio.open_dataset(comm, out, config=config) as ds:
+        got = ds.read(list(range(len(names))))
+    assert [g.tobytes() for g in got] == [(src / name).read_bytes() for name in names]

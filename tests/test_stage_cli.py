@@ -794,3 +794,45 @@ def test_verify_on_fewer_nodes_than_a_shard_stage_in_is_refused(tmp_path, small_
     assert one_node.returncode == 1, one_node.stdout + one_node.stderr
     assert "the transfer left files on 2 nodes, and this verify runs on 1" in one_node.stderr
     assert "Traceback" not in one_node.stderr
+
+
+OPEN_THE_PACK = """
+import sys
+from mpi4py import MPI
+import bbio
+try:
+    with bbio.open_dataset(MPI.COMM_WORLD, sys.argv[1]) as ds:
+        outcome = f"kind {ds.layout.kind} samples {len(ds)}"
+except bbio.BBIOError as exc:
+    outcome = f"{type(exc).__name__} {exc}"
+outcomes = MPI.COMM_WORLD.allgather(outcome)
+if MPI.COMM_WORLD.rank == 0:
+    print("\\n".join(outcomes))
+"""
+
+
+def test_a_pack_killed_while_it_writes_is_no_dataset_until_packed_again(tmp_path):
+    """Before, the killed pack's directory opened as a directory dataset whose samples were
+    its shard files."""
+    src, out = tmp_path / "src", tmp_path / "out"
+    make_tree(src, {f"d/{i:03d}.bin": 256 << 10 for i in range(300)})
+    env = {**os.environ, **MPI_ENV, "BBIO_RANKS_PER_NODE": "1", "BBIO_PROGRESS": "never"}
+    command = ["mpirun", "-n", "2", sys.executable, "-m", "bbio", "pack", str(src), str(out)]
+    proc = subprocess.Popen([*command, "--shard-size", "1M"], env=env, cwd=REPO)
+    try:
+        deadline = time.monotonic() + 60
+        while not list(out.glob("shard-*.h5")):  # the pack is writing: its ranks die
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True)
+        for pid in ranks.stdout.split():
+            os.kill(int(pid), signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        stop(proc)
+    (tmp_path / "open.py").write_text(OPEN_THE_PACK)
+    opened = run_mpi(2, str(tmp_path / "open.py"), str(out), env=env, timeout=60, cwd=REPO)
+    assert opened.stdout.count("NotFoundError not a bbio pack yet") == 2, opened.stdout
+    assert_ok(run_mpi(2, "-m", "bbio", "pack", str(src), str(out), env=env, cwd=REPO))
+    opened = run_mpi(2, str(tmp_path / "open.py"), str(out), env=env, timeout=60, cwd=REPO)
+    assert opened.stdout.count("kind packed samples 300") == 2, opened.stdout

@@ -379,3 +379,16 @@ def test_kind_changes_are_directories_against_anything_but_a_symlink():
     dest |= {"s": DestState(SYMLINK, 0, 1, "x"), "same": DestState(FILE, 2, 2)}
     dest |= {"dd": DestState(DIR, 0, 1)}
     assert plan.kind_changes(source, dest) == ["f", "d", "k"]  # s: replaced as it is
+
+
+def test_shards_beyond_99999_stay_in_sample_order():
+    """Before, the index listed shards by name: shard-100000.h5 before shard-10001.h5."""
+    from bbio.stage.pack import ShardInfo, _in_sample_order, shard_name
+
+    shards = [ShardInfo(shard_name(i), 1, i, 1, 0, 1, 0) for i in (100000, 10001, 9999, 99999)]
+    assert [s.first_sample for s in sorted(shards, key=_in_sample_order)] == [
+        9999,
+        10001,
+        99999,
+        100000,
+    ]

@@ -71,12 +71,13 @@ from bbio.read.plan import (
     split_rounds,
 )
 from bbio.stage import registry
-from bbio.stage.pack import INDEX_NAME, ShardInfo, read_index
+from bbio.stage.pack import INDEX_NAME, PENDING_NAME, ShardInfo, read_index
 from bbio.stage.walk import check_readable, walk
 from bbio.transfer.files import read_manifest
 from bbio.transfer.manifest import FILE
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+PACK_MARKS = (INDEX_NAME, PENDING_NAME)
 
 #: settings every rank must share: they shape the topology and every rank's copy of each plan
 SHARED_SETTINGS = (
@@ -113,6 +114,7 @@ class Layout:
     extents: Extents
     sample_shape: tuple[int, ...] | None  # None: variable-size samples (bytes)
     dtype: np.dtype | None  # kept whole: a structured dtype keeps its fields
+    file_crcs: list[int] | None = None  # a pack's shards: a staged copy must have these
 
 
 def _stripe_size(path: str) -> int:
@@ -192,17 +194,28 @@ def _packed_layout(
 
     Each shard's index is read by a node that holds the shard in its burst
     buffer when one does (so a staged pack needs no PFS access), else by rank 0
-    from the PFS.
+    from the PFS.  The pack index is a staged copy's when every node that staged
+    one staged the same, else the PFS's; a staged shard is read only if its staged
+    CRC32C is the index's.
     """
-    has_index = staged is not None and (staged / INDEX_NAME).exists()
-    index_from = [r for r, ok in enumerate(comm.allgather(has_index and is_leader)) if ok]
+    staged_index = None
+    with agreed(comm, f"reading the staged copies' pack index of {root}"):
+        if is_leader and staged is not None and (staged / INDEX_NAME).exists():
+            staged_index = (staged / INDEX_NAME).read_bytes()
+    indexes = comm.allgather(
+        None if staged_index is None else hashlib.sha256(staged_index).digest()
+    )
+    index_from = [r for r, digest in enumerate(indexes) if digest is not None]
+    if len({indexes[r] for r in index_from}) > 1:  # nodes staged different packs: the PFS's
+        index_from = []
     shards = None
     with agreed(comm, f"reading the pack index of {root}"):
         if comm.Get_rank() == (index_from[0] if index_from else 0):
             shards = _read_pack_index(staged if index_from else root)
     shards = comm.bcast(shards, root=index_from[0] if index_from else 0)
     files = [str(root / s.file) for s in shards]
-    local = _local_copies(bb_dir, node, files, [s.file_bytes for s in shards])
+    sizes, crcs = [s.file_bytes for s in shards], [s.crc32c for s in shards]
+    local = _local_copies(bb_dir, node, files, sizes, crcs)
     holders = comm.allgather(sorted(local) if is_leader else [])
     reader = {}
     for r, held in enumerate(holders):
@@ -225,7 +238,7 @@ def _packed_layout(
         np.concatenate(offsets) if shards else np.zeros(0, np.int64),
         np.concatenate(lengths) if shards else np.zeros(0, np.int64),
     )
-    return Layout("packed", files, [s.file_bytes for s in shards], extents, None, None)
+    return Layout("packed", files, sizes, extents, None, None, crcs)
 
 
 def _fixed_layout(
@@ -376,10 +389,15 @@ def _directory_layout(comm, root: Path, staged: Path | None) -> Layout:
 
 
 def _local_copies(
-    bb_dir: Path, node: int, files: Sequence[str], sizes: Sequence[int]
+    bb_dir: Path,
+    node: int,
+    files: Sequence[str],
+    sizes: Sequence[int],
+    crcs: Sequence[int] | None = None,
 ) -> dict[int, str]:
-    """The files node ``node``'s burst buffer ``bb_dir`` holds with the sizes ``sizes`` the
-    dataset expects: {file index: local path}.  The others are read from the PFS."""
+    """The files node ``node``'s burst buffer ``bb_dir`` holds with the sizes ``sizes`` (and
+    the CRC32Cs ``crcs``, a pack's shards) the dataset expects: {file index: local path}.
+    The others are read from the PFS.  Not collective."""
     found: dict[int, str] = {}
     manifests: dict[Path, dict] = {}
     for i, name in enumerate(files):
@@ -394,7 +412,8 @@ def _local_copies(
         entry = manifests[destination].get(rel)
         local = destination / rel
         held = entry is not None and entry.kind == FILE and entry.node in (None, node)
-        if held and entry.size == sizes[i] and local.exists():
+        same = crcs is None or entry is None or entry.crc32c in (None, crcs[i])
+        if held and same and entry.size == sizes[i] and local.exists():
             found[i] = str(local)
     return found
 
@@ -995,15 +1014,23 @@ def _open(comm, path, dataset, record_bytes, sample_shape, dtype, header_bytes, 
         if not source.exists():
             raise NotFoundError("the dataset does not exist", path=path, node=node)
     kind = None
+    seen = (False, False)  # a pack's index, a pack being written (or failed)
     with agreed(comm, f"opening the dataset {path}"):
-        if comm.Get_rank() == 0:
-            if not source.is_dir():
-                kind = "hdf5" if _is_hdf5(source) else "raw"
-            elif (path / INDEX_NAME).exists() or (source / INDEX_NAME).exists():
-                kind = "packed"
-            else:
-                kind = "directory"
+        if comm.Get_rank() == 0 and not source.is_dir():
+            kind = "hdf5" if _is_hdf5(source) else "raw"
+        elif comm.Get_rank() == 0 or is_leader:  # the PFS's, and every node's copy
+            places = {source, path} if comm.Get_rank() == 0 else {source}
+            seen = tuple(any((p / name).exists() for p in places) for name in PACK_MARKS)
     kind = comm.bcast(kind, root=0)
+    if kind is None:
+        index, pending = (any(flags) for flags in zip(*comm.allgather(seen), strict=True))
+        if pending and not index:  # its shards would be served as a directory's samples
+            raise NotFoundError(
+                "not a bbio pack yet: a pack into it is being written, or failed",
+                path=path / PENDING_NAME,
+                hint="wait for 'bbio pack' to finish, or run it again",
+            )
+        kind = "packed" if index else "directory"
     raw_options = record_bytes, sample_shape, dtype
     if kind != "raw" and (any(o is not None for o in raw_options) or header_bytes):
         raise UsageError(
@@ -1030,7 +1057,7 @@ def _open(comm, path, dataset, record_bytes, sample_shape, dtype, header_bytes, 
                         path, source, record_bytes, sample_shape, dtype, header_bytes
                     )
         layout = comm.bcast(layout, root=0)
-    local = _local_copies(bb_dir, node, layout.files, layout.file_sizes)
+    local = _local_copies(bb_dir, node, layout.files, layout.file_sizes, layout.file_crcs)
     return Dataset(comm, path, layout, local, config)
 
 

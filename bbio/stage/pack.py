@@ -39,6 +39,8 @@ from bbio.transfer.manifest import SYMLINK, Entry
 
 FORMAT = "bbio-pack/1"
 INDEX_NAME = "bbio-pack.json"
+# while a pack is written into a directory (and after it failed there): readers refuse it
+PENDING_NAME = "bbio-pack.pending"
 DEFAULT_SHARD_SIZE = 1 << 30
 _SLAB = 64 << 20
 # Room a shard needs beyond its samples' bytes: per sample (its name, offset, size
@@ -158,6 +160,12 @@ def _read_files(src: Path, group: Sequence[Entry], threads: int) -> tuple[np.nda
         crcs.append(_native.crc32c(buffer[start : start + size]))
         start += size
     return buffer, crcs
+
+
+def _in_sample_order(shard: ShardInfo) -> tuple[int, int, str]:
+    """The sort key of shards in sample order (by name, ``shard-100000.h5`` would come before
+    ``shard-10001.h5``).  Not collective."""
+    return shard.first_sample, len(shard.file), shard.file
 
 
 def shard_name(index: int) -> str:
@@ -346,6 +354,7 @@ def pack(
                 raise from_oserror(exc, "prepare the output directory", out) from None
             _check_capacity(out, shards)  # before the old index goes: a refused pack keeps it
             try:
+                files.write_json_atomic(out / PENDING_NAME, {"time": time.time()})
                 _withdraw_index(out)
             except OSError as exc:
                 raise from_oserror(exc, "remove the earlier pack's index", out) from None
@@ -353,7 +362,8 @@ def pack(
     with agreed(comm, "pack: writing shards"):
         for index in deal(list(range(len(shards))), comm):
             infos.append(_write_shard(src, out, index, firsts[index], shards[index], threads))
-    infos = sorted((i for part in comm.allgather(infos) for i in part), key=lambda i: i.file)
+    gathered = [i for part in comm.allgather(infos) for i in part]
+    infos = sorted(gathered, key=_in_sample_order)
     with agreed(comm, "pack: writing the index"):
         if comm.Get_rank() == 0:
             files.fsync_dirs([out])
@@ -367,6 +377,8 @@ def pack(
                     "shards": [dataclasses.asdict(i) for i in infos],
                 },
             )
+            (out / PENDING_NAME).unlink()  # after the index: never a moment without either
+            files.fsync_dirs([out])
             _remove_shards_beyond(out, len(infos))
     unmatched = (include or exclude) and not tree.files
     warnings = ["--include/--exclude selected no file of the source"] if unmatched else []
