@@ -310,6 +310,16 @@ def test_loader_stopped_early_does_not_hang(comm, datasets):
         assert len(ds.read([0])) == 1  # the dataset's collectives are still in step
 
 
+def write_samples(comm, root: Path, names: list[str], size: int) -> None:
+    """Collective: rank 0 writes ``root/NAME`` for each of ``names``, sample i of ``size``
+    bytes (:func:`sample_bytes`)."""
+    if comm.Get_rank() == 0:
+        root.mkdir(parents=True)
+        for i, name in enumerate(names):
+            (root / name).write_bytes(sample_bytes(i, size))
+    comm.Barrier()
+
+
 @pytest.mark.parametrize("count_changed", [False, True])
 def test_nodes_whose_complete_copies_differ_read_the_pfs_copy(comm, shared_tmp, count_changed):
     """The PFS directory changed, and only node 0 staged it again.  Before, node 1's ranks
@@ -317,11 +327,7 @@ def test_nodes_whose_complete_copies_differ_read_the_pfs_copy(comm, shared_tmp, 
     IndexError when the counts differed."""
     root = shared_tmp / "pfs" / "changing"
     config = config_for(comm, shared_tmp)
-    if comm.Get_rank() == 0:
-        root.mkdir(parents=True)
-        for i in range(10):
-            (root / f"f{i}").write_bytes(sample_bytes(i, 300))
-    comm.Barrier()
+    write_samples(comm, root, [f"f{i}" for i in range(10)], 300)
     bbio.stage_in(comm, root, f"{config.bb_root}/changing", config=config)
     if comm.Get_rank() == 0:
         (root / "f9").unlink()
@@ -363,11 +369,7 @@ def test_nodes_that_staged_different_packs_read_the_pfs_pack(comm, shared_tmp):
     its new shards with it: other bytes for the same sample."""
     src, out = shared_tmp / "pfs" / "src", shared_tmp / "pfs" / "packed"
     config = config_for(comm, shared_tmp)
-    if comm.Get_rank() == 0:
-        src.mkdir(parents=True)
-        for i in range(40):
-            (src / f"f{i:02d}").write_bytes(sample_bytes(i, 5000))
-    comm.Barrier()
+    write_samples(comm, src, [f"f{i:02d}" for i in range(40)], 5000)
     bbio.pack(comm, src, out, shard_size=50_000, config=config)
     bbio.stage_in(comm, out, f"{config.bb_root}/packed", config=config)
     if comm.Get_rank() == 0:
