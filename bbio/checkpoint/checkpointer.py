@@ -1061,10 +1061,11 @@ def attrs_json(step: int, attrs: Mapping[str, Any] | None) -> str:
     it one), NaN or infinity (not JSON), or a value JSON has no type for.  Tuples are
     restored as lists.  Not collective."""
     try:
-        json.dumps(dict(attrs or {}), allow_nan=False)  # first: a cycle is refused here
-        for odd_key in _non_string_keys(dict(attrs or {})):
+        document = dict(attrs or {})
+        json.dumps(document, allow_nan=False)  # first: a cycle is refused here
+        for odd_key in _non_string_keys(document):
             raise ValueError(f"the key {odd_key!r} is not a string (JSON would make it one)")
-        return json.dumps(dict(attrs or {}), sort_keys=True)
+        return json.dumps(document, sort_keys=True)
     except (TypeError, ValueError) as exc:
         raise UsageError(
             f"the attrs of checkpoint {step} are not JSON: {exc}",

@@ -1302,23 +1302,15 @@ def _abandoned(step_dir: Path) -> bool:
     """A PFS step directory (a real one: not a file or a symlink named like it) with
     neither a manifest nor a damaged-file marker: never committed, nothing kept for the
     admin.  Not collective."""
-    if not _is_real_dir(step_dir):
+    if not files.is_real_dir(step_dir):
         return False
     return not manifest_path(step_dir).exists() and not damaged_on_pfs(step_dir).exists()
-
-
-def _is_real_dir(path: Path) -> bool:
-    """Whether ``path`` is a directory, not a symlink to one.  Not collective."""
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def _remove_tree(path: Path) -> None:
     """Remove ``path`` and everything below it, never following a symlink (``path`` itself
     included); what another process removes meanwhile is passed over.  Not collective."""
-    if not _is_real_dir(path):
+    if not files.is_real_dir(path):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         return
@@ -1382,7 +1374,7 @@ def trim_bb(
         for s in steps
         if s not in recorded
         and s < (copies or [-1])[-1]
-        and _is_real_dir(bb_ckpt_dir / layout.step_dirname(s))
+        and files.is_real_dir(bb_ckpt_dir / layout.step_dirname(s))
     ]
     if not surplus and not unrecorded:
         return 0

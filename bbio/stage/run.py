@@ -112,6 +112,22 @@ class StageSummary:
 # -------------------------------------------------------------------- helpers
 
 
+def _state_of(full: str | Path) -> plan.DestState | None:
+    """What ``full`` holds now (its lstat), or None if nothing is there.  Raises the
+    OSError of a failed look.  Not collective."""
+    try:
+        st = os.lstat(full)
+        target = os.readlink(full) if stat.S_ISLNK(st.st_mode) else None
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    if target is not None:
+        return plan.DestState(SYMLINK, 0, st.st_mtime_ns, target)
+    if stat.S_ISDIR(st.st_mode):
+        return plan.DestState(DIR, 0, st.st_mtime_ns)
+    mode = st.st_mode & plan.PERMISSION_BITS
+    return plan.DestState(FILE, st.st_size, st.st_mtime_ns, mode=mode)
+
+
 def dest_state(comm, root: Path, paths: Sequence[str]) -> dict[str, plan.DestState]:
     """Collective over ``comm``: what ``root/path`` holds now, for every path (lstat, dealt out).
 
@@ -126,19 +142,11 @@ def dest_state(comm, root: Path, paths: Sequence[str]) -> dict[str, plan.DestSta
         for path in deal(paths, comm):
             full = f"{base}/{path}"
             try:
-                st = os.lstat(full)
-                target = os.readlink(full) if stat.S_ISLNK(st.st_mode) else None
-            except (FileNotFoundError, NotADirectoryError):
-                continue
+                state = _state_of(full)
             except OSError as exc:
                 raise from_oserror(exc, "look at the destination", full) from None
-            if target is not None:
-                found[path] = plan.DestState(SYMLINK, 0, st.st_mtime_ns, target)
-            elif stat.S_ISDIR(st.st_mode):
-                found[path] = plan.DestState(DIR, 0, st.st_mtime_ns)
-            else:
-                mode = st.st_mode & plan.PERMISSION_BITS
-                found[path] = plan.DestState(FILE, st.st_size, st.st_mtime_ns, mode=mode)
+            if state is not None:
+                found[path] = state
         return found
 
     merged: dict[str, plan.DestState] = {}
@@ -248,7 +256,7 @@ def _make_way(root: Path, paths: Sequence[str], old: Manifest | None, node: int)
     blocked = []
     for path in paths:
         full = root / path
-        inside = _paths_below(root, full) if _is_real_dir(full) else [path]
+        inside = _paths_below(root, full) if files.is_real_dir(full) else [path]
         if inside is not None and all(_is_recorded_copy(root, p, recorded.get(p)) for p in inside):
             removable.append((full, [path, *inside]))
         else:
@@ -269,7 +277,7 @@ def _make_way(root: Path, paths: Sequence[str], old: Manifest | None, node: int)
         files.withdraw_entries(root, current, [p for _, gone in removable for p in gone])
     for full, _ in removable:
         try:
-            if _is_real_dir(full):
+            if files.is_real_dir(full):
                 _let_owner_write(full)  # copied read-only (0555), as its source was
                 for top, dirs, _ in os.walk(full):
                     for name in dirs:
@@ -279,14 +287,6 @@ def _make_way(root: Path, paths: Sequence[str], old: Manifest | None, node: int)
                 full.unlink()
         except OSError as exc:
             raise from_oserror(exc, "remove an earlier copy", full, node=node) from None
-
-
-def _is_real_dir(path: Path) -> bool:
-    """Whether ``path`` is a directory, not a symlink to one.  Not collective."""
-    try:
-        return stat.S_ISDIR(os.lstat(path).st_mode)
-    except OSError:
-        return False
 
 
 def _paths_below(root: Path, directory: Path) -> list[str] | None:
@@ -306,17 +306,11 @@ def _is_recorded_copy(root: Path, path: str, entry: Entry | None) -> bool:
     collective."""
     if entry is None:
         return False
-    full = root / path
-    try:
-        st = os.lstat(full)
-    except FileNotFoundError:
+    now = _state_of(root / path)
+    if now is None:
         return True  # gone meanwhile: nothing to keep
-    if entry.kind == DIR or stat.S_ISDIR(st.st_mode):
-        return entry.kind == DIR and stat.S_ISDIR(st.st_mode)
-    if stat.S_ISLNK(st.st_mode):
-        now = plan.DestState(SYMLINK, 0, st.st_mtime_ns, os.readlink(full))
-    else:
-        now = plan.DestState(FILE, st.st_size, st.st_mtime_ns)
+    if DIR in (entry.kind, now.kind):
+        return entry.kind == now.kind
     return plan.is_recorded(now, [entry], [])
 
 

@@ -62,6 +62,14 @@ def is_temp_name(name: str) -> bool:
     return _UNIQUE_TEMP_NAME.fullmatch(name) is not None
 
 
+def is_real_dir(path: Path) -> bool:
+    """Whether ``path`` is a directory, not a symlink to one.  Not collective."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
 def remove_temp_files(directory: Path | str) -> int:
     """Delete the temporary files (:func:`is_temp_name`) directly in ``directory``, which
     an interrupted run left; returns how many.  Raises the OSError of a failure."""
