@@ -30,8 +30,56 @@
 static uint32_t crc32c_table[8][256];
 static pthread_once_t tables_once = PTHREAD_ONCE_INIT;
 
-/* CRCs are linear over GF(2): a 32x32 bit matrix (32 columns) maps a CRC to
- * the CRC after appending zero bits.  Used to combine and to shift CRCs. */
+/* CRCs are polynomials over GF(2), reflected (bit 31 is x^0): appending n zero
+ * bytes to a message multiplies its CRC by x^(8n) modulo the CRC polynomial. */
+static uint32_t multiply_mod_poly(uint32_t a, uint32_t b)
+{
+    uint32_t product = 0;
+    for (uint32_t m = 1u << 31; m; m >>= 1) {
+        if (a & m) {
+            product ^= b;
+            if ((a & (m - 1)) == 0)
+                break;
+        }
+        b = (b & 1) ? (b >> 1) ^ CRC32C_POLY : b >> 1;
+    }
+    return product;
+}
+
+#define X_POWERS 67 /* x^(2^k) for k up to 65: n * 2^3 with n below 2^63 */
+static uint32_t x_to_2_to_the[X_POWERS];
+
+/* x^(n * 2^k) modulo the CRC polynomial, for k + bits(n) <= X_POWERS. */
+static uint32_t x_power(uint64_t n, unsigned k)
+{
+    uint32_t power = 1u << 31; /* x^0 */
+    for (; n; n >>= 1, k++)
+        if (n & 1)
+            power = multiply_mod_poly(x_to_2_to_the[k], power);
+    return power;
+}
+
+static void init_tables(void);
+
+uint32_t bbio_crc32c_combine(uint32_t crc1, uint32_t crc2, int64_t len2)
+{
+    if (len2 <= 0)
+        return crc1;
+    pthread_once(&tables_once, init_tables);
+    return multiply_mod_poly(x_power((uint64_t)len2, 3), crc1) ^ crc2;
+}
+
+#ifdef BBIO_X86_CRC
+/* The hardware path runs three interleaved streams over blocks of LONG (then
+ * SHORT) bytes and merges them by "shifting" a CRC over zero bytes with
+ * precomputed operator tables (the method of Mark Adler's crc32c.c). */
+#define LONG_BLOCK 8192u
+#define SHORT_BLOCK 256u
+static uint32_t shift_long[4][256];
+static uint32_t shift_short[4][256];
+
+/* A 32x32 bit matrix (32 columns) maps a CRC to the CRC after appending zero
+ * bits: the shift tables of the hardware path are built from them. */
 static uint32_t gf2_matrix_times(const uint32_t *mat, uint32_t vec)
 {
     uint32_t sum = 0;
@@ -60,40 +108,6 @@ static void one_zero_bit(uint32_t *op)
         row <<= 1;
     }
 }
-
-uint32_t bbio_crc32c_combine(uint32_t crc1, uint32_t crc2, int64_t len2)
-{
-    uint32_t even[32], odd[32];
-    if (len2 <= 0)
-        return crc1;
-    if (crc1 == 0) /* the shift is linear: zero stays zero */
-        return crc2;
-    one_zero_bit(odd);
-    gf2_matrix_square(even, odd); /* two zero bits */
-    gf2_matrix_square(odd, even); /* four zero bits */
-    do {
-        gf2_matrix_square(even, odd); /* first pass: one zero byte */
-        if (len2 & 1)
-            crc1 = gf2_matrix_times(even, crc1);
-        len2 >>= 1;
-        if (len2 == 0)
-            break;
-        gf2_matrix_square(odd, even);
-        if (len2 & 1)
-            crc1 = gf2_matrix_times(odd, crc1);
-        len2 >>= 1;
-    } while (len2);
-    return crc1 ^ crc2;
-}
-
-#ifdef BBIO_X86_CRC
-/* The hardware path runs three interleaved streams over blocks of LONG (then
- * SHORT) bytes and merges them by "shifting" a CRC over zero bytes with
- * precomputed operator tables (the method of Mark Adler's crc32c.c). */
-#define LONG_BLOCK 8192u
-#define SHORT_BLOCK 256u
-static uint32_t shift_long[4][256];
-static uint32_t shift_short[4][256];
 
 /* Operator that appends len zero bytes to a CRC; len must be a power of 2. */
 static void zeros_operator(uint32_t *even, size_t len)
@@ -146,6 +160,11 @@ static void init_tables(void)
             crc = crc32c_table[0][crc & 0xff] ^ (crc >> 8);
             crc32c_table[k][n] = crc;
         }
+    }
+    uint32_t power = 1u << 30; /* x^1 */
+    for (int k = 0; k < X_POWERS; k++) {
+        x_to_2_to_the[k] = power;
+        power = multiply_mod_poly(power, power);
     }
 #ifdef BBIO_X86_CRC
     zeros_tables(shift_long, LONG_BLOCK);

@@ -586,7 +586,151 @@ def test_bad_state_is_the_same_clear_error_everywhere(comm, shared_tmp):
             ckpt.restore()
 
 
-def save_step_1_then_kill_its_drains(comm, shared_tmp, ckpt):
+@pytest.mark.timeout(150)
+def test_damaged_metadata_of_an_undrained_copy_is_caught_at_restore_and_by_its_drain(
+    comm, shared_tmp, caplog
+):
+    """One changed byte in the HDF5 metadata of a burst-buffer copy not drained yet (its
+    user attrs).  Before, only the arrays' CRC32Cs were checked until the drain had
+    copied the file: restore returned the changed attrs without a warning, and the
+    drain committed the copy.  Now the node file's CRC32C is recorded at save."""
+    config = config_for(comm, shared_tmp)
+    rank = comm.Get_rank()
+    ckpt = bbio.Checkpointer(comm, "meta", config=config)
+    ckpt.save(0, state(0, rank), attrs={"lr": 0.125}).wait(timeout=60)
+    save_step_1_then_kill_its_drains(comm, shared_tmp, ckpt, attrs={"lr": 0.125})
+    bb_root = shared_tmp / "bb" / str(node_of(comm))
+    step_dir = bb_root / "ckpt" / "meta" / layout.step_dirname(1)
+    node_file = step_dir / layout.node_filename(node_of(comm))
+    if leader(comm):
+        record = json.loads((step_dir / layout.node_record_name(node_of(comm))).read_text())
+        assert (record["size"], record["file_crc32c"]) == file_checksum(node_file)
+        if node_of(comm) == 1:
+            image = node_file.read_bytes()
+            assert image.count(b"0.125") == 1
+            node_file.write_bytes(image.replace(b"0.125", b"0.625"))
+    comm.Barrier()
+    with caplog.at_level(logging.WARNING, logger="bbio"):
+        step, arrays, attrs = ckpt.restore()
+    assert (step, attrs) == (0, {"lr": 0.125}) and same(arrays, state(0, rank))
+    if rank == 0:
+        assert "step 1 (bb) skipped" in caplog.text
+        assert "step-00000001/node-00001.h5" in caplog.text and "CRC32C" in caplog.text
+    if leader(comm):
+        damaged = node_of(comm) == 1
+        if damaged:
+            with pytest.raises(bbio.IntegrityError, match=r"step-00000001/node-00001\.h5"):
+                admin.verify(bb_root, shared_tmp / "pfs", node=1)
+        journal = drain.journal_dir(bb_root / "ckpt" / "meta")
+        assert drain.run(journal, None, finish=True, timeout=60) == (1 if damaged else 0)
+    comm.Barrier()
+    assert drain.committed_steps(shared_tmp / "pfs" / "ckpt" / "meta") == [0]
+    ckpt.close(timeout=60)
+
+
+@pytest.mark.timeout(150)
+def test_a_newest_step_only_in_burst_buffers_of_another_layout_is_not_passed_over(
+    comm, shared_tmp, caplog
+):
+    """Job A saves step 0 (committed) and step 1 (its drains die) on 2 nodes.  Job B
+    has the same ranks in another layout: on 4 ranks, 1 per node, on nodes 0 to 3 (all
+    of A's among them), a plain restore must raise, not restore step 0 (before: step 1
+    was not on nodes 2 and 3, so step 0 came back without a word); on 2 ranks, on node
+    0 alone (A's node 1 not in the job), step 1 is skipped with a warning.  Drained,
+    step 1 is restored from the PFS."""
+    size, rank = comm.Get_size(), comm.Get_rank()
+    ckpt = bbio.Checkpointer(comm, "shape", config=config_for(comm, shared_tmp))
+    ckpt.save(0, state(0, rank)).wait(timeout=60)
+    save_step_1_then_kill_its_drains(comm, shared_tmp, ckpt)
+    ckpt.close(wait=False)
+    blocker = shared_tmp / "pfs" / "ckpt" / "shape" / layout.step_dirname(1)
+    if rank == 0:  # the drains job B starts cannot commit step 1 yet
+        blocker.write_bytes(b"in the way")
+    comm.Barrier()
+    per_node = 1 if size == 4 else 2
+    config = config_for(comm, shared_tmp, ranks_per_node=per_node)
+    with bbio.Checkpointer(comm, "shape", config=config) as ckpt:
+        if size == 4:
+            with pytest.raises(bbio.UsageError) as info:
+                ckpt.restore()
+            message = str(info.value)
+            assert comm.allgather(message) == [message] * size
+            assert "step 1 is only in the burst buffers, saved by another layout" in message
+            assert "4 ranks on 4 nodes" in message and "drain --finish" in message
+        else:
+            with caplog.at_level(logging.WARNING, logger="bbio"):
+                step, arrays, _ = ckpt.restore()
+            assert step == 0 and same(arrays, state(0, rank))
+            if rank == 0:
+                assert "step 1 skipped: its burst-buffer copies are not" in caplog.text
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="bbio"):
+            step, arrays, _ = ckpt.restore(from_rank=rank)
+        assert step == 0 and same(arrays, state(0, rank))
+        if rank == 0:
+            assert "step 1 skipped" in caplog.text
+        comm.Barrier()
+        if rank == 0:
+            blocker.unlink()
+        comm.Barrier()
+    if rank == 0:  # node 1's journal, when job B did not drain it
+        journal = drain.journal_dir(shared_tmp / "bb" / "1" / "ckpt" / "shape")
+        assert drain.run(journal, None, finish=True, timeout=60) == 0
+    comm.Barrier()
+    with bbio.Checkpointer(comm, "shape", config=config) as ckpt:
+        step, arrays, _ = ckpt.restore()
+        assert step == 1 and same(arrays, state(1, rank)) and ckpt.last_restore_tier == "pfs"
+
+
+def drains_of(journal: Path) -> list[int]:
+    """The PIDs of the drain processes of ``journal`` on this machine."""
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        with contextlib.suppress(OSError):
+            args = cmdline.read_bytes().split(b"\0")
+            if b"bbio.checkpoint.drain" in args and str(journal).encode() in args:
+                pids.append(int(cmdline.parent.name))
+    return pids
+
+
+@pytest.mark.timeout(150)
+def test_jobs_on_a_journal_whose_drain_cannot_finish_add_one_waiting_drain(comm, shared_tmp):
+    """Step 1 cannot be drained (a file where its PFS directory goes): its drain retries
+    for ever.  Before, each later job's Checkpointer started one more drain, which
+    waited for that one for ever: five per node after a few jobs."""
+    rank = comm.Get_rank()
+    config = config_for(comm, shared_tmp)
+    pfs = shared_tmp / "pfs" / "ckpt" / "stuck"
+    if rank == 0:
+        pfs.mkdir(parents=True)
+        (pfs / layout.step_dirname(1)).write_bytes(b"in the way")
+    comm.Barrier()
+    ckpt = bbio.Checkpointer(comm, "stuck", config=config)
+    ckpt.save(1, state(1, rank))
+    ckpt.close(wait=False)
+    for _ in range(3):
+        bbio.Checkpointer(comm, "stuck", config=config).close(wait=False)
+    journal = shared_tmp / "bb" / str(node_of(comm)) / "ckpt" / "stuck" / ".journal"
+    if leader(comm):
+        deadline = time.monotonic() + 30
+        while len(drains_of(journal)) > 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        drains = drains_of(journal)
+        assert len(drains) == 2, drains  # the one retrying, and one waiting for it
+        for pid in drains:
+            os.kill(pid, signal.SIGKILL)
+        while drain.is_draining(journal) or drain.has_waiting_drain(journal):
+            time.sleep(0.01)
+    comm.Barrier()
+
+
+def file_checksum(path: Path) -> tuple[int, int]:
+    """(size, CRC32C) of the file at ``path``, read now."""
+    data = path.read_bytes()
+    return len(data), crc32c.crc32c(data)
+
+
+def save_step_1_then_kill_its_drains(comm, shared_tmp, ckpt, attrs=None):
     """Collective: save step 1 of ``ckpt`` while a file sits where its PFS directory goes,
     kill each node's drain once it retries, then remove the file: the step stays queued,
     and no drain runs.  Returns the save's handle."""
@@ -595,7 +739,7 @@ def save_step_1_then_kill_its_drains(comm, shared_tmp, ckpt):
         pfs.mkdir(parents=True, exist_ok=True)
         (pfs / layout.step_dirname(1)).write_bytes(b"in the way")
     comm.Barrier()
-    handle = ckpt.save(1, state(1, comm.Get_rank()))
+    handle = ckpt.save(1, state(1, comm.Get_rank()), attrs=attrs)
     journal = shared_tmp / "bb" / str(node_of(comm)) / "ckpt" / ckpt.name / ".journal"
     if leader(comm):
         deadline = time.monotonic() + 60

@@ -3,11 +3,13 @@ parallel HDF5, real drain processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
 from pathlib import Path
 
+import crc32c
 import h5py
 import numpy as np
 import pytest
@@ -79,6 +81,11 @@ def test_a_trimmed_file_is_rewritten_in_place_by_the_next_save_of_its_layout(com
         assert settle(comm, home) == 1, "step 1's file should be this node's spare"
         ckpt.save(3, state(3, rank), attrs={"note": "x" * 300}).wait(timeout=60)
         assert rewrote_spare(comm, home, 3)
+        if leader(comm):  # the file's CRC32C, recorded at save, from its arrays' and HDF5's
+            step_3 = home / layout.step_dirname(3)
+            record = json.loads((step_3 / layout.node_record_name(node_of(comm))).read_text())
+            data = (step_3 / layout.node_filename(node_of(comm))).read_bytes()
+            assert record["file_crc32c"] == record["crc32c"] == crc32c.crc32c(data)
         step, arrays, attrs = ckpt.restore()
         assert (step, attrs) == (3, {"note": "x" * 300}) and same(arrays, state(3, rank))
         comm.Barrier()

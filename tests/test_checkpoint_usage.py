@@ -94,7 +94,13 @@ def test_a_want_the_checkpoint_cannot_give_is_a_usage_error(comm, shared_tmp, ca
             ckpt.restore(want={"w": beyond})
         message = same_everywhere(comm, info.value)
         assert "restoring checkpoint global step 2 failed" in message, message
-        assert "not (all) inside the saved slices" in message, message
+        assert "not inside its global shape (" in message, message
+        empty_beyond = ((size * 4 + 1, 0), (0, 5))  # no element, but not inside either
+        with pytest.raises(bbio.UsageError) as info:
+            ckpt.restore(want={"w": empty_beyond})
+        assert "not inside its global shape" in same_everywhere(comm, info.value)
+        _, edge, _ = ckpt.restore(want={"w": ((size * 4, 0), (0, 5))})  # as numpy slices it
+        assert edge["w"].shape == (0, 5)
         with pytest.raises(bbio.UsageError) as info:
             ckpt.restore(want={"w": ((0, 0), (1, 5)), "nope": ((0,), (1,))})
         assert "no state 'nope'" in same_everywhere(comm, info.value)

@@ -1459,6 +1459,31 @@ def test_a_step_counts_on_every_node_only_from_one_save():
     assert restore.one_save_on_every_node([], committed) == set()
 
 
+def test_a_step_in_the_burst_buffers_is_usable_of_another_layout_or_partial():
+    def copy(time, same_layout=True, nodes=3):
+        return {"time": time, "same_layout": same_layout, "nodes": nodes}
+
+    nodes = [  # this job: 3 nodes
+        {1: copy(1.0), 2: copy(2.0), 3: copy(3.0, False, 2), 4: copy(4.0, False, 2)},
+        {1: copy(1.0), 2: copy(2.5), 3: copy(3.0, False, 2), 4: copy(4.5, False, 2)},
+        {1: copy(1.0), 5: copy(5.0, False, 4)},
+    ]
+    assert restore.bb_states(nodes, {}) == {
+        1: restore.USABLE,
+        2: restore.PARTIAL,  # two saves
+        3: restore.OTHER_LAYOUT,  # saved on nodes 0 and 1, both in this job
+        4: restore.PARTIAL,  # two saves, of another layout
+        5: restore.PARTIAL,  # saved on 4 nodes: this job has 3
+    }
+    assert restore.bb_states(nodes[:1], {}) == {  # a job of node 0 alone
+        1: restore.USABLE,
+        2: restore.USABLE,
+        3: restore.PARTIAL,  # node 1 of the save is not in the job
+        4: restore.PARTIAL,
+    }
+    assert restore.bb_states([], {}) == {}
+
+
 def _release_fifo(fifo, payload, until):
     """Open ``fifo`` for writing once a reader waits on it, write ``payload``; False if no
     reader came before ``until`` (time.monotonic())."""
@@ -1733,7 +1758,7 @@ def test_a_drain_never_removes_the_task_of_a_later_save_of_its_step(tmp_path):
     assert drain.pending(journal) == []
 
 
-def test_a_drain_started_while_another_holds_the_journal_waits_and_then_drains(tmp_path):
+def test_one_drain_started_while_another_holds_the_journal_waits_and_then_drains(tmp_path):
     j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
     record = tmp_path / "pfs" / layout.step_dirname(7) / layout.node_record_name(0)
     held = os.open(j0 / drain.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -1747,6 +1772,15 @@ def test_a_drain_started_while_another_holds_the_journal_waits_and_then_drains(t
         time.sleep(1.0)
         assert started.poll() is None, "a drain that finds the journal held must wait for it"
         assert drain.pending(j0) and not record.exists()
+        assert drain.has_waiting_drain(j0)
+        for _ in range(3):  # before, each waited too: one more per Checkpointer of a new job
+            more = subprocess.run(
+                [sys.executable, "-m", "bbio.checkpoint.drain", "--journal", str(j0)],
+                capture_output=True,
+                timeout=60,
+            )
+            assert more.returncode == 0, more.stderr
+        assert started.poll() is None
         os.close(held)  # the other drain has left
         held = None
         deadline = time.monotonic() + 60
@@ -1906,3 +1940,21 @@ def test_files_of_a_save_killed_before_its_record_are_deleted_in_both_tiers(tmp_
     (bb0 / layout.step_dirname(1)).write_text("not bbio's")  # a file: no step directory
     drain.trim_bb(bb0, 0, 2, pfs, j0)  # before these fixes: NotDirectoryError
     assert (bb0 / layout.step_dirname(1)).read_text() == "not bbio's"
+
+
+def test_reading_a_damaged_node_file_names_it(tmp_path):
+    """Before, h5py's own error ("file signature not found"), with no path, reached the
+    warning of the copy restore skipped."""
+    path = tmp_path / layout.node_filename(0)
+    write_node_file(path, 7, 0, [0, 1], state)
+    assert restore.read_rank(path, 1)["weights"][0, 0] == 1
+    with open(path, "r+b") as f:
+        f.write(bytes(8))  # the HDF5 signature
+    manifest = {"nodes": 1}
+    for read in (
+        lambda: restore.read_rank(path, 1),
+        lambda: restore.saved_boxes(manifest, tmp_path),
+    ):
+        with pytest.raises(IntegrityError, match="cannot be read") as info:
+            read()
+        assert str(path) in str(info.value)

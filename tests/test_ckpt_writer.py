@@ -48,7 +48,7 @@ def test_root_attributes_are_rewritten_in_place_or_replaced_when_their_type_chan
 
     monkeypatch.setattr(h5py.AttributeManager, "__setitem__", recording_setitem)
     with h5py.File(path, "r+") as f:
-        _set_root_attrs(h5py, f, new, crcs)
+        _set_root_attrs(h5py, f, new, {name: (crc, 4096) for name, crc in crcs.items()})
     monkeypatch.undo()
     assert sorted(set_anew) == ["bbio", "crc32c", "node_ranks", "nodes"]  # the rest in place
     back = read_root_attrs(path)

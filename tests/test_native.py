@@ -422,6 +422,48 @@ def test_crc32c_combine(len_a, len_b):
     assert combined == crc32c_package.crc32c(a + b)
 
 
+def _reflect(value: int) -> int:
+    return int(f"{value:032b}"[::-1], 2)
+
+
+def _shifted_by_zero_bytes(crc: int, length: int) -> int:
+    """The CRC32C ``crc`` after ``length`` zero bytes, from polynomial arithmetic over
+    GF(2): times x^(8 * length) modulo the Castagnoli polynomial (CRCs are reflected)."""
+    poly = 0x11EDC6F41
+
+    def times_mod(a: int, b: int) -> int:
+        product = 0
+        while b:
+            if b & 1:
+                product ^= a
+            b >>= 1
+            a <<= 1
+            if a >> 32:
+                a ^= poly
+        return product
+
+    result, power, exponent = _reflect(crc), 2, 8 * length  # power: x
+    while exponent:
+        if exponent & 1:
+            result = times_mod(result, power)
+        power = times_mod(power, power)
+        exponent >>= 1
+    return _reflect(result)
+
+
+@pytest.mark.parametrize("length", [1000, 1 << 33, (1 << 62) + 12345, (1 << 63) - 1])
+def test_crc32c_combine_matches_polynomial_arithmetic(length):
+    """Lengths no test can checksum, against an independent computation (checked on a
+    length that can be checksummed too)."""
+    a, b = 0x12345678, 0x9ABCDEF0
+    expected = _shifted_by_zero_bytes(a, length) ^ b
+    assert _native.crc32c_combine(a, b, length) == expected
+    data = random_bytes(1000, seed=3)
+    assert _shifted_by_zero_bytes(_native.crc32c(data), 1000) == crc32c_package.crc32c(
+        data + bytes(1000), 0
+    ) ^ crc32c_package.crc32c(bytes(1000), 0)
+
+
 def test_large_copy_on_one_cpu_and_on_two_match(tmp_path):
     data = random_bytes((9 << 20) + 4097, seed=6)
     src = write_file(tmp_path / "src", data)

@@ -92,7 +92,7 @@ def list_checkpoints(
 
 
 def verify(bb_root: Path, pfs_root: Path, node: int | None = None, name: str | None = None) -> int:
-    """Re-read every committed PFS checkpoint and this node's drained BB copies; count files.
+    """Re-read every committed PFS checkpoint and this node's BB copies; count files.
 
     Not collective.  Raises :class:`IntegrityError` naming every file whose size
     or CRC32C differs, every damaged manifest or BB record, every step on the PFS
@@ -131,12 +131,13 @@ def verify(bb_root: Path, pfs_root: Path, node: int | None = None, name: str | N
         problems += [str(exc) for exc in drain.read_queue(drain.journal_dir(bb_dir))[1].values()]
         problems += _set_aside_here(bb_dir, node)
         for step, record in sorted(reader.bb_copies(bb_dir, node).items()):
-            if record.get("crc32c") is None:
-                continue  # not drained yet: no file CRC to compare with
+            crc = reader.bb_file_crc(record)
+            if crc is None:
+                continue  # saved by a bbio that recorded no file CRC, and not drained yet
             checked += 1
             path = bb_dir / layout.step_dirname(step) / layout.node_filename(record["node"])
             try:
-                reader.verify_file(path, record["size"], record["crc32c"])
+                reader.verify_file(path, record["size"], crc)
             except (IntegrityError, OSError) as exc:
                 problems.append(str(exc))
     if problems:

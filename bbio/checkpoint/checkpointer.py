@@ -446,7 +446,7 @@ class Checkpointer:
                 recycled = False
                 if self.topo.is_leader and not direct:
                     recycled = self._claim_spare(key, temp)
-                size = write_node_file(
+                written = write_node_file(
                     self.topo.node_comm,
                     node_file,
                     self.rank,
@@ -468,7 +468,8 @@ class Checkpointer:
                 )
             with agreed(comm, f"checkpoint {self.name} step {step}: recording"):
                 if self.topo.is_leader:
-                    self._record(step_dir, step, when, size, direct, key, need[self.node])
+                    assert written is not None, "the node's file is written once all agree"
+                    self._record(step_dir, step, when, written, direct, key, need[self.node])
                     if not direct:
                         self._start_drain()
         except BBIOError:
@@ -614,18 +615,26 @@ class Checkpointer:
         step_dir: Path,
         step: int,
         when: float,
-        size: int,
+        written: tuple[int, int],
         direct: bool,
         key: str | None,
         room: int,
     ) -> None:
         """The node leader's bookkeeping once its node file (of the save at ``when``) is
-        durable.  With a layout ``key``, retention keeps the file as a spare while it
-        stays within the ``room`` a save of it is given."""
+        durable, ``written`` (size, CRC32C).  With a layout ``key``, retention keeps the
+        file as a spare while it stays within the ``room`` a save of it is given."""
         record_path = step_dir / layout.node_record_name(self.node)
+        size, file_crc = written
         if direct:  # on the PFS already: record its CRC32C and contents for the commit
             node_file = step_dir / layout.node_filename(self.node)
             size, crc = files.checksum_file(node_file)
+            if (size, crc) != written:
+                raise IntegrityError(
+                    f"the node file reads back as {size} bytes, CRC32C {crc:08x}; "
+                    f"{written[0]} bytes, {file_crc:08x} were written",
+                    path=node_file,
+                    hint="the PFS may be failing: save again",
+                )
             files.write_json_atomic(
                 record_path,
                 {
@@ -637,7 +646,15 @@ class Checkpointer:
                 },
             )
             return
-        record = {"size": size, "crc32c": None, "node": self.node, "time": when, "complete": True}
+        record = {
+            "size": size,
+            "crc32c": None,  # set by the drain: the PFS copy's
+            "file_crc32c": file_crc,
+            "node": self.node,
+            "time": when,
+            "complete": True,
+            "layout": self._rank_layout(),
+        }
         if key is not None:
             record["spare"] = {"layout_key": key, "max_bytes": room}
         task = drain.Task(
@@ -655,6 +672,11 @@ class Checkpointer:
         with drain.records_locked(self.journal):  # not while a drain records this step
             drain.add_task(self.journal, task)  # first: killed in between, the save leaves
             files.write_json_atomic(record_path, record)  # no record, so nothing takes it
+
+    def _rank_layout(self) -> dict[str, Any]:
+        """This job's layout of ranks as a node's record holds it: a restore reads the
+        node's burst-buffer copy only in the same layout."""
+        return {"ranks": self.size, "nodes": self.nodes, "node_ranks": self.node_ranks}
 
     def _busy(self) -> bool:
         """Collective: does any node still have checkpoints to drain?  A node leader whose
@@ -752,7 +774,11 @@ class Checkpointer:
         return not short
 
     def _start_drain(self) -> None:
+        """Start this node's drain, unless this process's is running or another drain
+        waits to take the journal over (one that cannot finish its queue holds it)."""
         if self._drain is not None and self._drain.poll() is None:
+            return
+        if drain.has_waiting_drain(self.journal):
             return
         log_file = open(self.journal / "drain.log", "ab")  # noqa: SIM115 (the child keeps it)
         self._drain = subprocess.Popen(
@@ -841,39 +867,81 @@ class Checkpointer:
 
     def _restore_candidates(self, step: int | None, resharding: bool) -> list[tuple[int, str]]:
         """Collective: the copies a restore may read, newest first: (step, "bb" or "pfs"),
-        or (step, "bb only") for a step a resharded restore cannot read yet."""
+        or (step, state) for a step only in the burst buffers that this restore cannot
+        read: "bb only" (``resharding`` reads the PFS), or the step's
+        :func:`reader.bb_states` state ("other layout", "partial")."""
         pfs_saves: dict[int, Any] = {}
+        local: dict[int, dict[str, Any]] | None = None
         with agreed(self.comm, f"checkpoint {self.name}: listing checkpoints"):
             if self.rank == 0:
                 pfs_saves = drain.committed_saves(self.pfs_dir)
-            local = reader.bb_copies(self.bb_dir, self.node) if self.topo.is_leader else None
+            if self.topo.is_leader:
+                local = {}
+                mine = self._rank_layout()
+                for s, record in reader.bb_copies(self.bb_dir, self.node).items():
+                    saved = record.get("layout", mine)  # not known: checked when read
+                    local[s] = {
+                        "time": record.get("time"),
+                        "same_layout": saved == mine,
+                        "nodes": saved["nodes"],
+                    }
         pfs_saves = self.comm.bcast(pfs_saves, root=0)
         per_node = [c for c in self.comm.allgather(local) if c is not None]
-        on_all_nodes = reader.one_save_on_every_node(per_node, pfs_saves)
+        states = reader.bb_states(per_node, pfs_saves)
         copies = []
-        for s in sorted(set(pfs_saves) | on_all_nodes, reverse=True):
+        for s in sorted(set(pfs_saves) | set(states), reverse=True):
             if step is not None and s != step:
                 continue
-            tiers = ["bb"] if s in on_all_nodes and not resharding else []
-            tiers += ["pfs"] if s in pfs_saves else []
-            copies += [(s, tier) for tier in tiers or ["bb only"]]
+            state = states.get(s)
+            tiers = ["bb"] if state == reader.USABLE and not resharding else []
+            if s in pfs_saves:
+                tiers.append("pfs")
+            elif state == reader.PARTIAL:
+                tiers.append(state)
+            elif resharding:
+                tiers.append("bb only")
+            elif state == reader.OTHER_LAYOUT:
+                tiers.append(state)
+            copies += [(s, tier) for tier in tiers]
         return copies
 
     def _restore_first(
         self, copies: list[tuple[int, str]], want, from_rank, skipped: list[str]
     ) -> tuple[int, dict[str, np.ndarray], dict[str, Any]] | None:
         """Collective: the first of ``copies`` that restores, else None; each copy passed
-        over is added to ``skipped`` and warned of."""
+        over is added to ``skipped`` and warned of.  A step saved by another layout of
+        ranks, only in the burst buffers, raises :class:`UsageError` on every rank (all
+        have the same ``copies``): the newest checkpoint is not passed over for an older
+        one because this job cannot read it yet."""
         for s, tier in copies:
-            if tier == "bb only":
-                problem = "only in the burst buffers; want= and from_rank= read the PFS copy"
+            if tier == reader.OTHER_LAYOUT:
+                raise UsageError(
+                    f"checkpoint {self.name} step {s} is only in the burst buffers, saved by "
+                    f"another layout of ranks than this job's ({self.size} ranks on "
+                    f"{self.nodes} nodes): restore reads it in the layout that saved it, or "
+                    "from the PFS once drained",
+                    path=self.pfs_dir / layout.step_dirname(s),  # the same on every rank
+                    hint="let its drain commit it ('bbio ckpt drain --finish' on the nodes "
+                    "that saved it, or 'bbio ckpt wait'), then restore (with want= or "
+                    "from_rank= for another rank count); or restore step= an older one",
+                )
+            if tier in ("bb only", reader.PARTIAL):
+                problem = (
+                    "only in the burst buffers; want= and from_rank= read the PFS copy"
+                    if tier == "bb only"
+                    else "its burst-buffer copies are not one whole save on this job's "
+                    "nodes, and it is not committed (a save that did not finish, or one by "
+                    "nodes not all in this job: if it finished, 'bbio ckpt drain --finish' "
+                    "on its nodes commits it)"
+                )
                 skipped.append(f"step {s} (bb): {problem}")
                 if self.rank == 0:
                     log.warning(
-                        "checkpoint %s step %d skipped: %s (wait for its drain)",
+                        "checkpoint %s step %d skipped: %s%s",
                         self.name,
                         s,
                         problem,
+                        " (wait for its drain)" if tier == "bb only" else "",
                     )
                 continue
             result, problem = self._try_restore(s, tier, want, from_rank)
@@ -924,16 +992,16 @@ class Checkpointer:
 
     def _verify(self, step: int, tier: str, want, from_rank) -> None:
         """Check that the PFS copy can serve this rank's ``want`` or ``from_rank``, then the
-        files this rank is responsible for (each file is checked once)."""
+        files this rank is responsible for (each file is checked once): a burst-buffer
+        copy whole, by its node's leader, before any rank opens it with HDF5."""
         name = layout.step_dirname(step)
         if tier == "bb":
-            path = self.bb_dir / name / layout.node_filename(self.node)
-            meta = reader.file_meta(path)
-            if meta["nodes"] != self.nodes or meta["node_ranks"] != self.node_ranks:
-                raise UsageError(f"{path} was written by another layout of ranks")
             if self.topo.is_leader:
+                path = self.bb_dir / name / layout.node_filename(self.node)
                 record = files.read_json(self.bb_dir / name / layout.node_record_name(self.node))
-                reader.verify_file(path, record.get("size"), record.get("crc32c"))
+                if record is None:
+                    raise NotFoundError("the burst-buffer copy is no longer recorded", path=path)
+                reader.verify_file(path, record["size"], reader.bb_file_crc(record))
             return
         manifest = reader.pfs_manifest(self.pfs_dir, step)
         if manifest is None:
@@ -955,14 +1023,29 @@ class Checkpointer:
         name = layout.step_dirname(step)
         if tier == "bb":
             path = self.bb_dir / name / layout.node_filename(self.node)
-            return step, reader.read_rank(path, self.rank), reader.file_meta(path)["user_attrs"]
+            meta = reader.file_meta(path)
+            if meta["nodes"] != self.nodes or meta["node_ranks"] != self.node_ranks:
+                raise reader.RequestError(  # a save whose record does not say its layout
+                    f"step {step} was saved by {meta['ranks']} ranks on {meta['nodes']} nodes "
+                    f"(ranks {meta['node_ranks']} on this one), not this job's layout",
+                    path=path,
+                    hint="restore it once drained, with want= or from_rank=; or restore "
+                    "step= an older one",
+                )
+            return step, reader.read_rank(path, self.rank), meta["user_attrs"]
         step_dir = self.pfs_dir / name
         manifest = reader.pfs_manifest(self.pfs_dir, step)
         if manifest is None:
             raise NotFoundError("the checkpoint is no longer committed", path=step_dir)
         attrs = manifest["attrs"]
         if want is not None:  # of a global checkpoint: check_request saw to that
-            return step, reader.read_boxes(reader.saved_boxes(manifest, step_dir), want), attrs
+            return (
+                step,
+                reader.read_boxes(
+                    reader.saved_boxes(manifest, step_dir), want, manifest["global_shapes"]
+                ),
+                attrs,
+            )
         source_rank = self.rank if from_rank is None else from_rank  # checked by _verify
         node = manifest["rank_nodes"][source_rank]
         return step, reader.read_rank(step_dir / layout.node_filename(node), source_rank), attrs

@@ -88,6 +88,7 @@ from bbio.transfer import files
 
 JOURNAL = ".journal"
 LOCK, STATUS, STOP, TARGET, WAKE = "drain.lock", "status.json", "stop", "target.json", "wake"
+NEXT_LOCK = "next.lock"  # held by the one background drain waiting for ``LOCK``
 WAITERS = "waiters"  # one FIFO per waiting process, told of every new status
 HALF_MADE_WAITER_SECONDS = 60.0  # a hidden waiter FIFO this old was left by a dead process
 COMMIT_LOCK = ".commit.lock"
@@ -556,13 +557,22 @@ def read_manifest(step_dir: Path) -> dict[str, Any] | None:
 
 
 def record_problem(record: dict[str, Any]) -> str | None:
-    """What makes ``record`` not a node record (its size, and its CRC32C once drained).
-    Pure."""
-    size, crc = record.get("size"), record.get("crc32c")
+    """What makes ``record`` not a node record: its size, its CRC32C once drained, and
+    what a save by this bbio records (the file's CRC32C, the layout of ranks).  Pure."""
+    size = record.get("size")
     if not _is_count(size):
         return f"size is {size!r}"
-    if crc is not None and not _is_count(crc):
-        return f"crc32c is {crc!r}"
+    for name in ("crc32c", "file_crc32c"):
+        if record.get(name) is not None and not _is_count(record[name]):
+            return f"{name} is {record[name]!r}"
+    ranks = record.get("layout", {"ranks": 1, "nodes": 1, "node_ranks": []})
+    fields = ranks if isinstance(ranks, dict) else {}
+    if not (
+        _is_count(fields.get("ranks"))
+        and _is_count(fields.get("nodes"))
+        and isinstance(fields.get("node_ranks"), list)
+    ):
+        return f"layout is {ranks!r}, not the ranks, nodes and node_ranks of the save"
     return None
 
 
@@ -772,6 +782,17 @@ class NodeCopy:
     def _seal(self, journal: Path) -> dict[str, Any] | None:
         task, copied = self.task, self.copied
         assert copied is not None and self.described is not None, "finish() before copy()"
+        saved = self.bb_record.get("size"), self.bb_record.get("file_crc32c")
+        if saved[1] is not None and saved != (copied.nbytes, copied.crc32c):
+            if not _still_saved(task):
+                return None  # saved again during the copy: not this save's file
+            raise DamagedNodeFile(
+                f"the node file was copied as {copied.nbytes} bytes, CRC32C "
+                f"{copied.crc32c:08x}; its save wrote {saved[0]} bytes, {saved[1]:08x}",
+                path=task.source,
+                hint="it was damaged in the burst buffer: this save cannot be drained (it is "
+                "set aside; later ones are drained); a restore passes over it",
+            )
         recording = self.pool.submit(_prepare_record, task, copied, self.described)
         try:
             size, crc = self._flush_and_read_back()
@@ -1983,8 +2004,19 @@ def _process_alive(pid: int | None, started: str | None = None) -> bool:
 
 def is_draining(journal: Path) -> bool:
     """Does a drain hold ``journal`` (its lock) now?  Not collective."""
+    return _held(journal / LOCK)
+
+
+def has_waiting_drain(journal: Path) -> bool:
+    """Is a background drain waiting to drain ``journal`` once the drain holding it
+    leaves?  It drains whatever is queued by then.  Not collective."""
+    return _held(journal / NEXT_LOCK)
+
+
+def _held(lock: Path) -> bool:
+    """Does a process hold the ``flock`` on ``lock`` now?"""
     try:
-        fd = os.open(journal / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
         return False  # no journal yet: nothing drains it
     try:
@@ -1993,6 +2025,18 @@ def is_draining(journal: Path) -> bool:
         return True
     finally:
         os.close(fd)  # releases a lock taken here
+    return False
+
+
+def _lock_soon(fd: int, tries: int = 10) -> bool:
+    """Take the ``flock`` on ``fd`` if it is free now or within ``tries`` short sleeps:
+    a look (:func:`_held`) holds it for an instant."""
+    for _ in range(tries):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            time.sleep(0.01)
     return False
 
 
@@ -2008,12 +2052,18 @@ def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) 
     for it to leave, then drains what is queued.  A background drain does not
     give up instead: the other one may be leaving (its queue was empty, its
     training process gone) and never see a task queued meanwhile, whose save
-    would then wait for ever.
+    would then wait for ever.  But one waiter is enough (it drains whatever was
+    queued before it took the journal): a background drain that finds another
+    waiting (holding ``NEXT_LOCK``) exits at once with status 0, so drains do
+    not pile up behind one that cannot finish its queue.
     """
     journal.mkdir(parents=True, exist_ok=True)
     lock_fd = os.open(journal / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    next_fd = None if finish else os.open(journal / NEXT_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
+        if next_fd is not None and not _lock_soon(next_fd):
+            return 0  # the waiting drain drains what is queued now
         while True:  # one drainer per journal: wait for (or outlive) any other
             try:
                 fcntl.flock(lock_fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if finish else 0))
@@ -2023,9 +2073,14 @@ def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) 
                     print(f"bbio drain: {journal} is held by another drain", file=sys.stderr)
                     return 1
                 time.sleep(0.2)
+        if next_fd is not None:  # before the queue is read: a drain started now may leave
+            os.close(next_fd)
+            next_fd = None
         with contextlib.closing(_Waker(journal)) as waker:
             return _drain(journal, parent, finish, deadline, waker)
     finally:
+        if next_fd is not None:
+            os.close(next_fd)
         os.close(lock_fd)  # releases the lock
 
 

@@ -9,6 +9,7 @@ previous checkpoint); a request the checkpoint cannot serve raises
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from bbio import _native
 from bbio.checkpoint import layout
 from bbio.checkpoint.drain import read_manifest, record_problem
 from bbio.checkpoint.globalview import decode_root_attrs, recorded_crc, recorded_crcs
-from bbio.errors import BBIOError, IntegrityError, NotFoundError, UsageError
+from bbio.errors import BBIOError, IntegrityError, NotFoundError, UsageError, from_oserror
 from bbio.transfer import files
 
 
@@ -60,6 +61,37 @@ def one_save_on_every_node(
     return alike
 
 
+USABLE, OTHER_LAYOUT, PARTIAL = "usable", "other layout", "partial"
+
+
+def bb_states(
+    per_node: list[dict[int, dict[str, Any]]], committed: Mapping[int, Any]
+) -> dict[int, str]:
+    """What a restore by this job can make of each step some node holds a burst-buffer
+    copy of.  ``per_node``: for each node of this job, in node order, {step: {"time":
+    the save's, "same_layout": saved by this job's layout of ranks (or not known),
+    "nodes": the saving job's node count (or None)}}; ``committed``: {step: time} on
+    the PFS.  A step is :data:`USABLE` when every node holds a copy of one save (see
+    :func:`one_save_on_every_node`) in this layout; :data:`OTHER_LAYOUT` when it was
+    saved by another layout of ranks and each of the saving job's nodes (all among
+    this job's) holds a copy of that save: complete, but readable here only once
+    drained; else :data:`PARTIAL` (a save killed half way, or on nodes not all in
+    this job).  Pure."""
+    usable = one_save_on_every_node(per_node, committed)
+    states = {}
+    for step in set().union(*per_node):
+        held = [copies[step] for copies in per_node if step in copies]
+        if all(copy["same_layout"] for copy in held):
+            states[step] = USABLE if step in usable else PARTIAL
+            continue
+        saved_nodes = {copy["nodes"] for copy in held}
+        count = saved_nodes.pop() if len(saved_nodes) == 1 else None
+        saving = per_node[:count] if isinstance(count, int) and 0 < count <= len(per_node) else []
+        complete = step in one_save_on_every_node(saving, committed)
+        states[step] = OTHER_LAYOUT if complete else PARTIAL
+    return states
+
+
 def damaged_bb_records(bb_ckpt_dir: Path, node: int | None) -> list[BBIOError]:
     """The errors of this burst buffer's node records that are damaged (not a JSON
     object) or cannot be read (an I/O error): :func:`bb_copies` passes over their copies.
@@ -94,6 +126,13 @@ def _bb_records(bb_ckpt_dir: Path, node: int | None) -> Iterator[tuple[int, int,
             yield step, n, record
 
 
+def bb_file_crc(record: Mapping[str, Any]) -> int | None:
+    """The CRC32C a burst-buffer copy must have: its PFS copy's once drained, else the
+    one its save recorded (None for a save by a bbio that did not record one)."""
+    crc = record.get("crc32c")
+    return crc if crc is not None else record.get("file_crc32c")
+
+
 def verify_file(path: Path, size: int | None, crc: int | None) -> None:
     """Raise IntegrityError unless ``path`` has ``size`` bytes and CRC32C ``crc`` (when known)."""
     if crc is None:
@@ -118,15 +157,8 @@ def file_meta(path: Path) -> dict[str, Any]:
 
     if not path.exists():
         raise NotFoundError("checkpoint file is missing", path=path)
-    try:
-        with h5py.File(path, "r") as f:
-            return decode_root_attrs(dict(f.attrs))
-    except (OSError, KeyError, TypeError, ValueError) as exc:
-        raise IntegrityError(
-            f"checkpoint file is not a readable bbio node file ({type(exc).__name__}: {exc})",
-            path=path,
-            hint="its HDF5 metadata or root attributes are damaged; restore uses another copy",
-        ) from None
+    with _named_after(path), h5py.File(path, "r") as f:
+        return decode_root_attrs(dict(f.attrs))
 
 
 def check_request(
@@ -154,6 +186,31 @@ def check_request(
         )
 
 
+@contextlib.contextmanager
+def _named_after(path: Path) -> Iterator[None]:
+    """Errors reading the checkpoint file at ``path`` as :class:`BBIOError` naming it:
+    an I/O error as such, and what HDF5 or a damaged layout raise (no errno) as
+    :class:`IntegrityError`."""
+    try:
+        yield
+    except BBIOError:
+        raise
+    except OSError as exc:
+        if exc.errno is not None:
+            raise from_oserror(exc, "read", path) from None
+        raise _unreadable(path, exc) from None
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise _unreadable(path, exc) from None
+
+
+def _unreadable(path: Path, exc: Exception) -> IntegrityError:
+    return IntegrityError(
+        f"checkpoint file cannot be read as a bbio node file ({type(exc).__name__}: {exc})",
+        path=path,
+        hint="its HDF5 metadata or root attributes are damaged; restore uses another copy",
+    )
+
+
 def _checked(dataset, recorded: int, path: Path) -> np.ndarray:
     data = dataset[...]  # an array in the stored byte order even when 0-d: [()] gives a scalar
     crc = _native.crc32c(np.ascontiguousarray(data).view(np.uint8).reshape(-1))
@@ -170,7 +227,7 @@ def read_rank(path: Path, rank: int) -> dict[str, np.ndarray]:
 
     arrays: dict[str, np.ndarray] = {}
     suffix = f"/r{rank:05d}"
-    with h5py.File(path, "r") as f:
+    with _named_after(path), h5py.File(path, "r") as f:
         crcs = recorded_crcs(f, path)
 
         def visit(name: str, obj) -> None:
@@ -188,7 +245,7 @@ def saved_boxes(manifest: Mapping[str, Any], step_dir: Path) -> dict[str, list[t
     boxes: dict[str, list[tuple]] = {}
     for n in range(manifest["nodes"]):
         path = step_dir / layout.node_filename(n)
-        with h5py.File(path, "r") as f:
+        with _named_after(path), h5py.File(path, "r") as f:
 
             def visit(name: str, obj, path=path) -> None:
                 if isinstance(obj, h5py.Dataset):
@@ -201,11 +258,14 @@ def saved_boxes(manifest: Mapping[str, Any], step_dir: Path) -> dict[str, list[t
 
 
 def read_boxes(
-    boxes: Mapping[str, list[tuple]], want: Mapping[str, tuple[Sequence[int], Sequence[int]]]
+    boxes: Mapping[str, list[tuple]],
+    want: Mapping[str, tuple[Sequence[int], Sequence[int]]],
+    global_shapes: Mapping[str, Sequence[int]],
 ) -> dict[str, np.ndarray]:
     """Assemble each wanted box (start, shape) of each key from the saved slices.
 
-    Raises RequestError for a key the checkpoint lacks or a box its slices do not cover.
+    Raises RequestError for a key the checkpoint lacks, or a box outside the key's
+    global shape (an empty one too) or its slices do not cover.
     """
     import h5py
 
@@ -223,6 +283,15 @@ def read_boxes(
                 "dimension(s)",
                 hint=f"want= ((start,) * {dims}, (shape,) * {dims}), shape at least 0",
             )
+        whole = tuple(int(n) for n in global_shapes.get(key, ()))
+        if len(whole) != dims or any(
+            s + n > g for s, n, g in zip(wanted[0], wanted[1], whole, strict=True)
+        ):
+            raise RequestError(
+                f"the box {wanted} (start, shape) of {key!r} is not inside its global shape "
+                f"{whole}",
+                hint="want= a box inside the array's global shape",
+            )
         if not layout.covers(wanted, [b for _, _, b, _ in boxes[key]]):
             raise RequestError(
                 f"the box {wanted} (start, shape) of {key!r} is not (all) inside the saved slices",
@@ -235,7 +304,7 @@ def read_boxes(
             if overlap is None or box in read:
                 continue
             read.add(box)
-            with h5py.File(path, "r") as f:
+            with _named_after(path), h5py.File(path, "r") as f:
                 piece = f[name][layout.local_slices(overlap, box)]
             result[layout.local_slices(overlap, wanted)] = piece
         out[key] = result

@@ -143,7 +143,7 @@ def write_node_file(
     attrs: Mapping[str, Any],
     recycled: bool = False,
     temp: Path | None = None,
-) -> int:
+) -> tuple[int, int] | None:
     """Collective over ``node_comm``: write the node's checkpoint file at ``path``.
 
     ``rank`` is this rank's rank in the job; ``node_specs`` the (job rank,
@@ -153,10 +153,12 @@ def write_node_file(
     this very layout, to be rewritten in place if rank 0 finds every dataset
     in it as expected (else the file is laid out anew).  ``temp``: the name the
     file is written under before its rename (the same on every rank; default
-    :func:`files.temp_path`).  Returns the file's
-    size on the node's rank 0, once the file is durable under its final name
-    there; other ranks return 0 before that.  A rank whose write fails raises
-    its error, and the file is never renamed (rank 0 returns 0): the caller
+    :func:`files.temp_path`).  Returns the file's size and CRC32C on the
+    node's rank 0, once the file is durable under its final name there (the
+    CRC32C from the arrays' own, combined with those of the bytes HDF5 wrote
+    around them, read back: a few pages); other ranks return None before
+    that.  A rank whose write fails raises its error, and the file is never
+    renamed (rank 0 returns None): the caller
     makes every rank agree on the outcome (one agreement over all nodes, not
     one per node before it: a save's critical path is its collectives).
     """
@@ -168,16 +170,15 @@ def write_node_file(
     try:
         offsets = _share_offsets(node_comm, datasets, None if spare is None else spare[1])
         if offsets is None:
-            written = _write_new_file(
+            extents = _write_new_file(
                 h5py, node_comm, temp, rank, arrays, node_specs, datasets, attrs
             )
         else:  # rank 0 has every rank's CRCs only once every write is done
-            crcs = _gather_crcs(
+            extents = _gather_extents(
                 node_comm, datasets, lambda: _write_raw(temp, rank, arrays, offsets.__getitem__)
             )
-            written = crcs is not None
-            if spare is not None and crcs is not None:
-                _set_root_attrs(h5py, spare[0], attrs, crcs)
+            if spare is not None and extents is not None:
+                _set_root_attrs(h5py, spare[0], attrs, extents)
         if spare is not None:
             spare[0].close()  # HDF5 writes the attributes now: a full BB fails here
     except Exception as exc:  # named after the file: the caller's agreement names the rank
@@ -185,17 +186,24 @@ def write_node_file(
             with contextlib.suppress(Exception):  # already closed, or failing anyway
                 spare[0].close()
         raise agreed_error([(rank, *describe_error(exc))], f"writing {path}", 1) from exc
-    if not leader or not written:
-        return 0
+    if not leader or extents is None:
+        return None
+    sizes = {
+        rank_dataset(key, owner): entry["bytes"]
+        for owner, spec in node_specs
+        for key, entry in spec.items()
+    }
     fd = os.open(temp, os.O_RDONLY)
     try:
         os.fsync(fd)
         size = os.fstat(fd).st_size
+        known = [(at, sizes[name], crc) for name, (crc, at) in extents.items() if at != NO_OFFSET]
+        crc = files.checksum_around(fd, temp, size, known)
     finally:
         os.close(fd)
     os.replace(temp, path)
     files.fsync_dirs([path.parent])
-    return size
+    return size, crc
 
 
 def _write_new_file(
@@ -207,22 +215,23 @@ def _write_new_file(
     node_specs: Sequence[tuple[int, Mapping[str, dict]]],
     datasets: list[list[str]],
     attrs: Mapping[str, Any],
-) -> bool:
+) -> dict[str, tuple[int, int]] | None:
     """Collective over ``node_comm``: lay the file out with parallel HDF5, write every
-    rank's arrays into it, set the root attributes; False if another rank's write
-    failed (this rank's failure is raised once the file is closed).  ``datasets``:
+    rank's arrays into it, set the root attributes; the (CRC32C, offset) of every
+    dataset (:func:`_gather_extents`), or None if another rank's write failed (this
+    rank's failure is raised once the file is closed).  ``datasets``:
     :func:`_node_datasets` of ``node_specs``."""
     with h5py.File(temp, "w", driver="mpio", comm=node_comm) as f:
         _create_datasets(h5py, f, node_specs)
-        crcs = _gather_crcs(
+        extents = _gather_extents(
             node_comm,
             datasets,
             lambda: _write_raw(temp, rank, arrays, lambda name: f[name].id.get_offset()),
             everywhere=True,
         )
-        if crcs is not None:  # else a rank failed: it raises, after the collective close
-            _set_root_attrs(h5py, f, attrs, crcs)
-    return crcs is not None
+        if extents is not None:  # else a rank failed: it raises, after the collective close
+            _set_root_attrs(h5py, f, attrs, extents)
+    return extents
 
 
 def _node_datasets(node_specs: Sequence[tuple[int, Mapping[str, dict]]]) -> list[list[str]]:
@@ -250,24 +259,25 @@ def _share_offsets(
     return {name: None if at == NO_OFFSET else int(at) for name, at in placed}
 
 
-def _gather_crcs(
+def _gather_extents(
     node_comm,
     datasets: list[list[str]],
-    write: Callable[[], dict[str, int]],
+    write: Callable[[], dict[str, tuple[int, int]]],
     everywhere: bool = False,
-) -> dict[str, int] | None:
-    """Collective over ``node_comm``: run this rank's ``write`` and share the CRC32Cs of
-    every rank's ``datasets`` (:func:`_node_datasets`) with the node's rank 0
-    (``everywhere``: with every rank), in one gather of buffers whose sizes every rank
-    knows.  Raises this rank's failure once shared (the caller's close may be
-    collective); None where another rank failed, and on ranks the CRCs are not shared
+) -> dict[str, tuple[int, int]] | None:
+    """Collective over ``node_comm``: run this rank's ``write`` and share the (CRC32C,
+    offset) of every rank's ``datasets`` (:func:`_node_datasets`; offset
+    ``NO_OFFSET`` for a dataset without bytes) with the node's rank 0
+    (``everywhere``: with every rank), in one gather of buffers whose sizes every
+    rank knows.  Raises this rank's failure once shared (the caller's close may be
+    collective); None where another rank failed, and on ranks they are not shared
     with."""
-    counts = [1 + len(owned) for owned in datasets]  # [0] of each: the rank failed
+    counts = [1 + 2 * len(owned) for owned in datasets]  # [0] of each: the rank failed
     mine = np.zeros(counts[node_comm.Get_rank()], dtype=np.int64)
     failure = None
     try:
-        crcs = write()
-        mine[1:] = [crcs[name] for name in datasets[node_comm.Get_rank()]]
+        written = write()
+        mine[1:] = [value for name in datasets[node_comm.Get_rank()] for value in written[name]]
     except Exception as exc:
         failure = exc
         mine[0] = 1
@@ -285,18 +295,22 @@ def _gather_crcs(
     if any(theirs[0] for theirs in everyone):
         return None
     return {
-        name: int(crc)
+        name: (int(theirs[1 + 2 * i]), int(theirs[2 + 2 * i]))
         for owned, theirs in zip(datasets, everyone, strict=True)
-        for name, crc in zip(owned, theirs[1:], strict=True)
+        for i, name in enumerate(owned)
     }
 
 
-def _set_root_attrs(h5py, f, attrs: Mapping[str, Any], crcs: dict[str, int]) -> None:
-    """Set ``attrs`` and the datasets' CRC32Cs as ``f``'s root attributes (collective
+def _set_root_attrs(
+    h5py, f, attrs: Mapping[str, Any], extents: Mapping[str, tuple[int, int]]
+) -> None:
+    """Set ``attrs`` and the datasets' CRC32Cs (of their ``extents``: :func:`_gather_extents`)
+    as ``f``'s root attributes (collective
     where ``f`` is open collectively).  An attribute already there with the value's
     type and shape (a recycled file's) is overwritten in place through h5py's
     low-level API, in half the time ``attrs.modify`` takes; any other is created, or
     replaced."""
+    crcs = {name: crc for name, (crc, _) in extents.items()}
     for name, value in {**attrs, CRC_ATTR: json.dumps(crcs, sort_keys=True)}.items():
         if not _overwrite_attr(h5py, f.id, name, value):
             f.attrs[name] = value
@@ -436,20 +450,25 @@ def _create_datasets(h5py, f, node_specs: Sequence[tuple[int, Mapping[str, dict]
 
 def _write_raw(
     temp: Path, rank: int, arrays: Mapping[str, Any], offset_of: Callable[[str], int | None]
-) -> dict[str, int]:
+) -> dict[str, tuple[int, int]]:
     """Write this rank's arrays into their datasets' allocated space (``offset_of`` a
-    dataset's name); their CRC32Cs by dataset name."""
-    crcs = {}
+    dataset's name); their (CRC32C, offset) by dataset name (``NO_OFFSET`` for an
+    array without bytes)."""
+    written = {}
     fd = os.open(temp, os.O_WRONLY)
     try:
         for key, value in arrays.items():
             name = rank_dataset(key, rank)
             data = np.ascontiguousarray(value.data if isinstance(value, Shard) else value)
+            if not data.size:
+                written[name] = (0, NO_OFFSET)
+                continue
+            offset = offset_of(name)
             raw = data.reshape(-1).view(np.uint8)
-            crcs[name] = _native.pwrite_crc(fd, raw, offset_of(name), temp) if data.size else 0
+            written[name] = (_native.pwrite_crc(fd, raw, offset, temp), offset)
     finally:
         os.close(fd)
-    return crcs
+    return written
 
 
 def file_attrs(

@@ -466,6 +466,33 @@ def checksum_fd(fd: int, path: Path) -> tuple[int, int]:
         raise _fail(exc, "read for verification", path) from None
 
 
+def checksum_around(fd: int, path: Path, size: int, known: Iterable[tuple[int, int, int]]) -> int:
+    """The CRC32C of the first ``size`` bytes of the open file ``fd``, given the CRC32C of
+    some of its extents, ``known`` (offset, length, CRC32C): only the bytes outside them
+    are read.  Raises :class:`IntegrityError` naming ``path`` if the extents overlap or
+    pass ``size``, or the file is shorter.  Not collective."""
+    crc = at = 0
+    for offset, length, extent_crc in sorted((*known, (size, 0, 0))):
+        if offset < at or offset + length > size:
+            raise IntegrityError(
+                f"the extent of {length} bytes at {offset} overlaps another, or passes the "
+                f"file's {size} bytes",
+                path=path,
+            )
+        while at < offset:
+            try:
+                piece = os.pread(fd, min(offset - at, _VERIFY_BUFFER), at)
+            except OSError as exc:
+                raise _fail(exc, "read for its CRC32C", path) from None
+            if not piece:
+                raise IntegrityError(f"the file ends at byte {at}, not {size}", path=path)
+            crc = _native.crc32c(piece, crc)
+            at += len(piece)
+        crc = _native.crc32c_combine(crc, extent_crc, length)
+        at = offset + length
+    return crc
+
+
 def free_bytes(path: Path) -> int:
     """Bytes available to this user on the file system of ``path`` (or its nearest parent)."""
     for candidate in (path, *path.parents):
