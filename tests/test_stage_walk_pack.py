@@ -103,10 +103,14 @@ def _replace(path: Path, how: str) -> None:
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("slab", [None, 1000])
 @pytest.mark.parametrize("how", ["rewritten", "grown", "symlink", "fifo"])
-def test_pack_refuses_a_file_changed_since_the_walk(comm, shared_tmp, src, monkeypatch, how):
+def test_pack_refuses_a_file_changed_since_the_walk(comm, shared_tmp, src, monkeypatch, how, slab):
     """d1/f3.bin changes between the (real) walk and its read: every rank raises the same
-    IntegrityError naming it, and OUT holds no index and no temporary shard."""
+    IntegrityError naming it, and OUT holds no index and no temporary shard.  With
+    ``slab`` 1000, its 4000 bytes are read a slab at a time, as a file over 64 MiB is."""
+    if slab is not None:
+        monkeypatch.setattr(pack_module, "_SLAB", slab)
     real_walk = pack_module.walk
 
     def walk_then_change(comm_, root, *args, **kwargs):
@@ -168,3 +172,47 @@ def test_pack_names_what_it_does_not_pack(comm, shared_tmp, src):
         config=two_nodes(comm, shared_tmp),
     )
     assert (regular_only.not_packed, regular_only.warnings) == ([], [])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_pack_reads_a_file_larger_than_a_slab_a_slab_at_a_time(comm, shared_tmp, monkeypatch):
+    """Files of 1 to 4 slabs and more beside small ones: the large ones are read a slab at
+    a time (before, each was read whole, so a rank needed memory for the largest file it
+    packed), and every sample reads back byte for byte with its CRC32C."""
+    import crc32c
+    import h5py
+    import numpy as np
+
+    slab = 4096
+    monkeypatch.setattr(pack_module, "_SLAB", slab)
+    src, out = shared_tmp / "pfs" / "big", shared_tmp / "packed-big"
+    sizes = {"a.bin": 10, "b.bin": slab + 1, "c.bin": 3 * slab, "d.bin": 7, "e.bin": 4 * slab + 5}
+    contents = {
+        name: np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+        for name, size in sizes.items()
+    }
+    if comm.Get_rank() == 0:
+        src.mkdir(parents=True)
+        for name, data in contents.items():
+            (src / name).write_bytes(data)
+    comm.Barrier()
+    largest_read = []
+    real_read = pack_module._read_files
+
+    def recording(src_, group, threads):
+        largest_read.append(max(e.size for e in group))
+        return real_read(src_, group, threads)
+
+    monkeypatch.setattr(pack_module, "_read_files", recording)
+    bbio.pack(comm, src, out, shard_size=1 << 20, config=two_nodes(comm, shared_tmp))
+    assert max(largest_read, default=0) <= slab
+    if comm.Get_rank() == 0:
+        back = {}
+        for info in pack_module.read_index(out):
+            with h5py.File(out / info.file, "r") as f:
+                for i, name in enumerate(f["names"].asstr()[:]):
+                    start, size = int(f["offsets"][i]), int(f["sizes"][i])
+                    back[name] = bytes(f["data"][start : start + size])
+                    assert int(f["crc32c"][i]) == crc32c.crc32c(back[name]), name
+        assert back == contents

@@ -143,11 +143,24 @@ def _read_files(src: Path, group: Sequence[Entry], threads: int) -> tuple[np.nda
     finally:
         for fd in fds:
             os.close(fd)
-    changes = [
-        f"{e.path} ({change})"
-        for e, n, st in zip(group, got, after, strict=True)
-        if (change := _change(e, int(n), st))
-    ]
+    _raise_if_changed(
+        src,
+        [
+            f"{e.path} ({change})"
+            for e, n, st in zip(group, got, after, strict=True)
+            if (change := _change(e, int(n), st))
+        ],
+    )
+    crcs, start = [], 0
+    for size in sizes:
+        crcs.append(_native.crc32c(buffer[start : start + size]))
+        start += size
+    return buffer, crcs
+
+
+def _raise_if_changed(src: Path, changes: Sequence[str]) -> None:
+    """Raise the :class:`IntegrityError` naming the files of ``src`` that ``changes``
+    describes, if any."""
     if changes:
         raise IntegrityError(
             f"{len(changes)} file(s) changed while being packed: {'; '.join(changes[:10])}"
@@ -155,11 +168,34 @@ def _read_files(src: Path, group: Sequence[Entry], threads: int) -> tuple[np.nda
             path=src,
             hint=CHANGED_HINT,
         )
-    crcs, start = [], 0
-    for size in sizes:
-        crcs.append(_native.crc32c(buffer[start : start + size]))
-        start += size
-    return buffer, crcs
+
+
+def _stream_file(src: Path, entry: Entry, data, start: int) -> int:
+    """Copy the file of ``entry``, larger than a slab, into the HDF5 dataset ``data`` from
+    element ``start`` on, a slab at a time (a rank holds one slab of it, not the whole
+    file); its CRC32C.  Raises :class:`IntegrityError` as :func:`_read_files` does."""
+    path = src / entry.path
+    slab = np.empty(min(_SLAB, entry.size), dtype=np.uint8)
+    fd = _open_regular(path)
+    crc = got = 0
+    try:
+        while got < entry.size:
+            piece = slab[: min(slab.size, entry.size - got)]
+            try:
+                n = os.preadv(fd, [piece], got)
+            except OSError as exc:
+                raise from_oserror(exc, "read", path) from None
+            if n == 0:
+                break
+            crc = _native.crc32c(piece[:n], crc)
+            data[start + got : start + got + n] = piece[:n]
+            got += n
+        after = os.fstat(fd)
+    finally:
+        os.close(fd)
+    change = _change(entry, got, after)
+    _raise_if_changed(src, [f"{entry.path} ({change})"] if change else [])
+    return crc
 
 
 def _in_sample_order(shard: ShardInfo) -> tuple[int, int, str]:
@@ -216,8 +252,11 @@ def _fill_shard(
         data = f.create_dataset("data", shape=(total,), dtype=np.uint8)
         slabs = group_by_size(list(range(len(group))), _SLAB, lambda i: group[i].size)
         for slab in slabs:
-            buffer, slab_crcs = _read_files(src, [group[i] for i in slab], threads)
             start = int(offsets[slab[0]])
+            if group[slab[0]].size > _SLAB:  # a slab of its own
+                crcs[slab[0]] = _stream_file(src, group[slab[0]], data, start)
+                continue
+            buffer, slab_crcs = _read_files(src, [group[i] for i in slab], threads)
             data[start : start + buffer.size] = buffer
             crcs[slab] = slab_crcs
         names = [os.fsencode(e.path).decode("utf-8", "backslashreplace") for e in group]
