@@ -51,6 +51,7 @@ LAYERS = {
     "entry": {
         "bbio.__main__",
         "bbio.cli",
+        "bbio.checkpoint.drainer",
         "bbio.demo",
         "bbio.demo.__main__",
         "bbio.demo.job",
@@ -77,7 +78,12 @@ MAY_IMPORT = {
 # they import neither mpi4py nor a module that uses MPI (modules_using_mpi), even inside
 # functions.  (Importing any bbio module runs bbio/__init__.py, which loads bbio.mpi
 # without starting MPI: these modules never call into it.)
-NO_MPI = {"bbio.checkpoint.drain", "bbio.checkpoint.admin", "bbio.slurm"}
+NO_MPI = {
+    "bbio.checkpoint.drain",
+    "bbio.checkpoint.drainer",
+    "bbio.checkpoint.admin",
+    "bbio.slurm",
+}
 # Third-party modules a layer may import; MPI only inside functions (never at import time).
 THIRD_PARTY = {
     "api": set(),

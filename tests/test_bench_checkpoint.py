@@ -95,7 +95,7 @@ def test_checkpoint_suite_tiny_writes_documented_json(tmp_path):
         )
     finally:
         leftovers = subprocess.run(
-            ["pgrep", "-af", f"bbio.checkpoint.drain --journal {bb}"],
+            ["pgrep", "-af", f"bbio.checkpoint.drainer --journal {bb}"],
             capture_output=True,
             text=True,
         ).stdout

@@ -650,6 +650,8 @@ def test_a_newest_step_only_in_burst_buffers_of_another_layout_is_not_passed_ove
     per_node = 1 if size == 4 else 2
     config = config_for(comm, shared_tmp, ranks_per_node=per_node)
     with bbio.Checkpointer(comm, "shape", config=config) as ckpt:
+        listed = {info.step: info.bb for info in ckpt.list()}
+        assert "saved by another layout of ranks (not restored from)" in listed[1], listed
         if size == 4:
             with pytest.raises(bbio.UsageError) as info:
                 ckpt.restore()
@@ -688,7 +690,7 @@ def drains_of(journal: Path) -> list[int]:
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         with contextlib.suppress(OSError):
             args = cmdline.read_bytes().split(b"\0")
-            if b"bbio.checkpoint.drain" in args and str(journal).encode() in args:
+            if b"bbio.checkpoint.drainer" in args and str(journal).encode() in args:
                 pids.append(int(cmdline.parent.name))
     return pids
 

@@ -1764,7 +1764,7 @@ def test_one_drain_started_while_another_holds_the_journal_waits_and_then_drains
     held = os.open(j0 / drain.LOCK, os.O_RDWR | os.O_CREAT, 0o644)
     fcntl.flock(held, fcntl.LOCK_EX)  # another drain, leaving: it will not look at the queue again
     started = subprocess.Popen(
-        [sys.executable, "-m", "bbio.checkpoint.drain", "--journal", str(j0)],
+        [sys.executable, "-m", "bbio.checkpoint.drainer", "--journal", str(j0)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
@@ -1775,7 +1775,7 @@ def test_one_drain_started_while_another_holds_the_journal_waits_and_then_drains
         assert drain.has_waiting_drain(j0)
         for _ in range(3):  # before, each waited too: one more per Checkpointer of a new job
             more = subprocess.run(
-                [sys.executable, "-m", "bbio.checkpoint.drain", "--journal", str(j0)],
+                [sys.executable, "-m", "bbio.checkpoint.drainer", "--journal", str(j0)],
                 capture_output=True,
                 timeout=60,
             )

@@ -785,7 +785,7 @@ class Checkpointer:
             [
                 sys.executable,
                 "-m",
-                "bbio.checkpoint.drain",
+                "bbio.checkpoint.drainer",
                 "--journal",
                 str(self.journal),
                 "--parent",
@@ -871,20 +871,10 @@ class Checkpointer:
         read: "bb only" (``resharding`` reads the PFS), or the step's
         :func:`reader.bb_states` state ("other layout", "partial")."""
         pfs_saves: dict[int, Any] = {}
-        local: dict[int, dict[str, Any]] | None = None
         with agreed(self.comm, f"checkpoint {self.name}: listing checkpoints"):
             if self.rank == 0:
                 pfs_saves = drain.committed_saves(self.pfs_dir)
-            if self.topo.is_leader:
-                local = {}
-                mine = self._rank_layout()
-                for s, record in reader.bb_copies(self.bb_dir, self.node).items():
-                    saved = record.get("layout", mine)  # not known: checked when read
-                    local[s] = {
-                        "time": record.get("time"),
-                        "same_layout": saved == mine,
-                        "nodes": saved["nodes"],
-                    }
+            local = self._bb_copies_here() if self.topo.is_leader else None
         pfs_saves = self.comm.bcast(pfs_saves, root=0)
         per_node = [c for c in self.comm.allgather(local) if c is not None]
         states = reader.bb_states(per_node, pfs_saves)
@@ -903,6 +893,18 @@ class Checkpointer:
             elif state == reader.OTHER_LAYOUT:
                 tiers.append(state)
             copies += [(s, tier) for tier in tiers]
+        return copies
+
+    def _bb_copies_here(self) -> dict[int, dict[str, Any]]:
+        """The node leader: this node's complete burst-buffer copies, {step: {"time",
+        "same_layout", "nodes"}} as :func:`reader.bb_states` takes them.  A record of an
+        earlier bbio does not say its layout: taken as this job's, checked when read."""
+        mine = self._rank_layout()
+        copies = {}
+        for s, record in reader.bb_copies(self.bb_dir, self.node).items():
+            saved = record.get("layout", mine)
+            copies[s] = {"time": record.get("time"), "same_layout": saved == mine}
+            copies[s]["nodes"] = saved["nodes"]
         return copies
 
     def _restore_first(
@@ -1055,9 +1057,9 @@ class Checkpointer:
     def list(self) -> list[CheckpointInfo]:
         """Collective over the checkpointer's communicator: every step in either tier, with
         its state.  A step's burst-buffer copies are "all nodes" only when every node holds
-        one of the same save, the committed one's if it is committed (as :meth:`restore`
-        counts them); else the nodes holding a copy are named, and why a copy on every
-        node does not count."""
+        one of the same save, the committed one's if it is committed, saved in this job's
+        layout of ranks (as :meth:`restore` counts them); else the nodes holding a copy are
+        named, and why copies of another layout, or on every node, do not count."""
         self._check_open()
         same_arguments(self.comm, f"checkpoint {self.name}: list", {})
         pfs: dict[int, str] = {}
@@ -1065,15 +1067,17 @@ class Checkpointer:
         with agreed(self.comm, f"checkpoint {self.name}: listing"):
             if self.rank == 0:
                 pfs, saves = drain.describe_pfs(self.pfs_dir)
-            local = reader.bb_copies(self.bb_dir, self.node) if self.topo.is_leader else None
+            local = self._bb_copies_here() if self.topo.is_leader else None
         pfs, saves = self.comm.bcast((pfs, saves), root=0)
         per_node = [c for c in self.comm.allgather(local) if c is not None]
-        alike = reader.one_save_on_every_node(per_node, saves)
+        states = reader.bb_states(per_node, saves)
         infos = []
-        for s in sorted(set(pfs) | {s for c in per_node for s in c}):
+        for s in sorted(set(pfs) | set(states)):
             holders = [n for n, c in enumerate(per_node) if s in c]
-            if s in alike:
+            if states.get(s) == reader.USABLE:
                 bb = "all nodes"
+            elif holders and not all(per_node[n][s]["same_layout"] for n in holders):
+                bb = f"nodes {holders}, saved by another layout of ranks (not restored from)"
             elif len(holders) == self.nodes:
                 times = {c[s].get("time") for c in per_node}
                 which = "of different saves" if len(times) > 1 else "not the committed save"

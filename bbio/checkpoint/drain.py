@@ -1,7 +1,7 @@
 """The drain: copies finished checkpoint files from a burst buffer to the PFS, then commits.
 
 It runs as a separate process per node and checkpointer (``python -m
-bbio.checkpoint.drain``), started on the first save, in its own session so it
+bbio.checkpoint.drainer``), started on the first save, in its own session so it
 outlives a crash of the training process; ``bbio ckpt drain --finish`` (a Slurm
 epilog) runs the same code in the foreground.  It never touches MPI.
 
@@ -2378,8 +2378,9 @@ def journals(bb_root: Path) -> Iterable[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bbio.checkpoint.drain --journal DIR [--parent PID]``: the background drain."""
-    parser = argparse.ArgumentParser(prog="python -m bbio.checkpoint.drain")
+    """``python -m bbio.checkpoint.drainer --journal DIR [--parent PID]``: the background
+    drain."""
+    parser = argparse.ArgumentParser(prog="python -m bbio.checkpoint.drainer")
     parser.add_argument("--journal", type=Path, required=True)
     parser.add_argument("--parent", type=int, help="exit once this process is gone and idle")
     args = parser.parse_args(argv)
@@ -2397,7 +2398,3 @@ def run_on_any_cpu() -> None:
     """
     with contextlib.suppress(OSError, AttributeError):  # AttributeError: no affinity API
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

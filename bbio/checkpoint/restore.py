@@ -273,7 +273,7 @@ def read_boxes(
     for key, (start, shape) in want.items():
         if key not in boxes:
             raise RequestError(
-                f"the checkpoint has no state {key!r}", hint=f"want= one of {sorted(boxes)}"
+                f"the checkpoint has no state {key!r}", hint=f"ask want= for one of {sorted(boxes)}"
             )
         wanted = (tuple(int(s) for s in start), tuple(int(s) for s in shape))
         dims = len(boxes[key][0][2][0])
@@ -281,7 +281,7 @@ def read_boxes(
             raise RequestError(
                 f"the box {wanted} (start, shape) of {key!r} is not a box of its {dims} "
                 "dimension(s)",
-                hint=f"want= ((start,) * {dims}, (shape,) * {dims}), shape at least 0",
+                hint=f"pass want= ((start,) * {dims}, (shape,) * {dims}), shape at least 0",
             )
         whole = tuple(int(n) for n in global_shapes.get(key, ()))
         if len(whole) != dims or any(
@@ -290,12 +290,12 @@ def read_boxes(
             raise RequestError(
                 f"the box {wanted} (start, shape) of {key!r} is not inside its global shape "
                 f"{whole}",
-                hint="want= a box inside the array's global shape",
+                hint="ask want= for a box inside the array's global shape",
             )
         if not layout.covers(wanted, [b for _, _, b, _ in boxes[key]]):
             raise RequestError(
                 f"the box {wanted} (start, shape) of {key!r} is not (all) inside the saved slices",
-                hint="want= a box inside the array's global shape (and its saved slices)",
+                hint="ask want= for a box inside the array's global shape (and its saved slices)",
             )
         result = np.empty(wanted[1], dtype=boxes[key][0][3])
         read: set[layout.Box] = set()  # a replica's box is read once

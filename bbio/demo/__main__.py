@@ -291,7 +291,7 @@ def _crash(job: subprocess.Popen, places: Places) -> None:
     drains of the demo's journals again, since a save in between may have started one."""
     _end(job, meanwhile=lambda: _kill_drains(places))
     for journal in places.journals():
-        _kill_handles(_handles(processes_running(f"bbio.checkpoint.drain --journal {journal} ")))
+        _kill_handles(_handles(processes_running(f"bbio.checkpoint.drainer --journal {journal} ")))
 
 
 def _ran_on(killed: dict, places: Places, result: Path) -> str | None:
