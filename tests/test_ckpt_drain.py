@@ -1459,27 +1459,32 @@ def test_a_step_counts_on_every_node_only_from_one_save():
     assert restore.one_save_on_every_node([], committed) == set()
 
 
-def test_a_step_in_the_burst_buffers_is_usable_of_another_layout_or_partial():
-    def copy(time, same_layout=True, nodes=3):
-        return {"time": time, "same_layout": same_layout, "nodes": nodes}
+def test_a_step_in_the_burst_buffers_is_usable_of_another_layout_partial_or_set_aside():
+    def copy(time, same_layout=True, nodes=3, set_aside=False):
+        return {"time": time, "same_layout": same_layout, "nodes": nodes, "set_aside": set_aside}
 
     nodes = [  # this job: 3 nodes
         {1: copy(1.0), 2: copy(2.0), 3: copy(3.0, False, 2), 4: copy(4.0, False, 2)},
         {1: copy(1.0), 2: copy(2.5), 3: copy(3.0, False, 2), 4: copy(4.5, False, 2)},
-        {1: copy(1.0), 5: copy(5.0, False, 4)},
+        {1: copy(1.0), 5: copy(5.0, False, 4), 6: copy(6.0, set_aside=True)},
     ]
+    for node in nodes[:2]:  # saved by another layout on nodes 0 and 1, set aside on node 1
+        node[7] = copy(7.0, False, 2, set_aside=node is nodes[1])
     assert restore.bb_states(nodes, {}) == {
         1: restore.USABLE,
         2: restore.PARTIAL,  # two saves
         3: restore.OTHER_LAYOUT,  # saved on nodes 0 and 1, both in this job
         4: restore.PARTIAL,  # two saves, of another layout
         5: restore.PARTIAL,  # saved on 4 nodes: this job has 3
+        6: restore.SET_ASIDE,  # on one node: the save's drain there found it damaged
+        7: restore.SET_ASIDE,  # complete, but never committed
     }
     assert restore.bb_states(nodes[:1], {}) == {  # a job of node 0 alone
         1: restore.USABLE,
         2: restore.USABLE,
         3: restore.PARTIAL,  # node 1 of the save is not in the job
         4: restore.PARTIAL,
+        7: restore.PARTIAL,
     }
     assert restore.bb_states([], {}) == {}
 

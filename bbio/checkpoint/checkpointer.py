@@ -886,7 +886,7 @@ class Checkpointer:
             tiers = ["bb"] if state == reader.USABLE and not resharding else []
             if s in pfs_saves:
                 tiers.append("pfs")
-            elif state == reader.PARTIAL:
+            elif state in (reader.PARTIAL, reader.SET_ASIDE):
                 tiers.append(state)
             elif resharding:
                 tiers.append("bb only")
@@ -897,14 +897,16 @@ class Checkpointer:
 
     def _bb_copies_here(self) -> dict[int, dict[str, Any]]:
         """The node leader: this node's complete burst-buffer copies, {step: {"time",
-        "same_layout", "nodes"}} as :func:`reader.bb_states` takes them.  A record of an
-        earlier bbio does not say its layout: taken as this job's, checked when read."""
+        "same_layout", "nodes", "set_aside"}} as :func:`reader.bb_states` takes them.  A
+        record of an earlier bbio does not say its layout: taken as this job's, checked
+        when read."""
         mine = self._rank_layout()
+        aside = drain.set_aside(self.journal)
         copies = {}
         for s, record in reader.bb_copies(self.bb_dir, self.node).items():
-            saved = record.get("layout", mine)
-            copies[s] = {"time": record.get("time"), "same_layout": saved == mine}
-            copies[s]["nodes"] = saved["nodes"]
+            saved, when = record.get("layout", mine), record.get("time")
+            copies[s] = {"time": when, "same_layout": saved == mine, "nodes": saved["nodes"]}
+            copies[s]["set_aside"] = s in aside and aside[s].get("time") == when
         return copies
 
     def _restore_first(
@@ -927,15 +929,8 @@ class Checkpointer:
                     "that saved it, or 'bbio ckpt wait'), then restore (with want= or "
                     "from_rank= for another rank count); or restore step= an older one",
                 )
-            if tier in ("bb only", reader.PARTIAL):
-                problem = (
-                    "only in the burst buffers; want= and from_rank= read the PFS copy"
-                    if tier == "bb only"
-                    else "its burst-buffer copies are not one whole save on this job's "
-                    "nodes, and it is not committed (a save that did not finish, or one by "
-                    "nodes not all in this job: if it finished, 'bbio ckpt drain --finish' "
-                    "on its nodes commits it)"
-                )
+            if tier in _UNREADABLE:
+                problem = _UNREADABLE[tier]
                 skipped.append(f"step {s} (bb): {problem}")
                 if self.rank == 0:
                     log.warning(
@@ -1076,6 +1071,8 @@ class Checkpointer:
             holders = [n for n, c in enumerate(per_node) if s in c]
             if states.get(s) == reader.USABLE:
                 bb = "all nodes"
+            elif states.get(s) == reader.SET_ASIDE:
+                bb = f"nodes {holders}, set aside as damaged (not restored from)"
             elif holders and not all(per_node[n][s]["same_layout"] for n in holders):
                 bb = f"nodes {holders}, saved by another layout of ranks (not restored from)"
             elif len(holders) == self.nodes:
@@ -1140,6 +1137,16 @@ class Checkpointer:
 
     def __exit__(self, *exc) -> None:
         self.close(wait=exc[0] is None)
+
+
+_UNREADABLE = {  # why a step only in the burst buffers is not restored, by its state
+    "bb only": "only in the burst buffers; want= and from_rank= read the PFS copy",
+    reader.PARTIAL: "its burst-buffer copies are not one whole save on this job's nodes, and "
+    "it is not committed (a save that did not finish, or one by nodes not all in this job: "
+    "if it finished, 'bbio ckpt drain --finish' on its nodes commits it)",
+    reader.SET_ASIDE: "its drain set it aside: a node file was damaged in the burst buffer "
+    "('bbio ckpt verify' on its node names it), so it is never committed",
+}
 
 
 def attrs_json(step: int, attrs: Mapping[str, Any] | None) -> str:

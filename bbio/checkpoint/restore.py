@@ -61,7 +61,7 @@ def one_save_on_every_node(
     return alike
 
 
-USABLE, OTHER_LAYOUT, PARTIAL = "usable", "other layout", "partial"
+USABLE, OTHER_LAYOUT, PARTIAL, SET_ASIDE = "usable", "other layout", "partial", "set aside"
 
 
 def bb_states(
@@ -70,8 +70,10 @@ def bb_states(
     """What a restore by this job can make of each step some node holds a burst-buffer
     copy of.  ``per_node``: for each node of this job, in node order, {step: {"time":
     the save's, "same_layout": saved by this job's layout of ranks (or not known),
-    "nodes": the saving job's node count (or None)}}; ``committed``: {step: time} on
-    the PFS.  A step is :data:`USABLE` when every node holds a copy of one save (see
+    "nodes": the saving job's node count (or None), "set_aside": its drain set the save
+    aside}}; ``committed``: {step: time} on the PFS.  A step is :data:`SET_ASIDE` when
+    a node's drain set its copy aside as damaged (it is never committed);
+    :data:`USABLE` when every node holds a copy of one save (see
     :func:`one_save_on_every_node`) in this layout; :data:`OTHER_LAYOUT` when it was
     saved by another layout of ranks and each of the saving job's nodes (all among
     this job's) holds a copy of that save: complete, but readable here only once
@@ -81,14 +83,17 @@ def bb_states(
     states = {}
     for step in set().union(*per_node):
         held = [copies[step] for copies in per_node if step in copies]
-        if all(copy["same_layout"] for copy in held):
-            states[step] = USABLE if step in usable else PARTIAL
-            continue
         saved_nodes = {copy["nodes"] for copy in held}
         count = saved_nodes.pop() if len(saved_nodes) == 1 else None
         saving = per_node[:count] if isinstance(count, int) and 0 < count <= len(per_node) else []
-        complete = step in one_save_on_every_node(saving, committed)
-        states[step] = OTHER_LAYOUT if complete else PARTIAL
+        if any(copy["set_aside"] for copy in held):
+            states[step] = SET_ASIDE
+        elif all(copy["same_layout"] for copy in held):
+            states[step] = USABLE if step in usable else PARTIAL
+        elif step in one_save_on_every_node(saving, committed):
+            states[step] = OTHER_LAYOUT
+        else:
+            states[step] = PARTIAL
     return states
 
 
