@@ -1223,6 +1223,36 @@ def test_a_damaged_burst_buffer_file_is_set_aside_not_retried(tmp_path):
         SaveHandle("run", 7, pfs / layout.step_dirname(7), journal, 2, save_time=3.5).wait(10)
 
 
+def test_the_drain_checks_a_node_file_against_its_save_before_hdf5_reads_it(tmp_path, monkeypatch):
+    """One byte of node 0's HDF5 superblock changed since its save, which recorded the
+    file's size and CRC32C.  Before, the drain read the file's HDF5 metadata (to
+    describe it) before anything compared the file with its save: metadata damage could
+    crash the drain, over and over on that task.  Now HDF5 never opens it."""
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
+    step_dir = tmp_path / "bb" / "0" / layout.CKPT_DIR / "run" / layout.step_dirname(7)
+    node_file, record_path = step_dir / "node-00000.h5", step_dir / "node-00000.json"
+    size, crc = files.checksum_file(node_file)
+    record = {**files.read_json(record_path), "size": size, "file_crc32c": crc}
+    files.write_json_atomic(record_path, record)
+    image = bytearray(node_file.read_bytes())
+    image[0] ^= 0x01
+    node_file.write_bytes(bytes(image))
+    described = []
+    real_describe = drain.describe_node_file
+
+    def recording(path, node):
+        described.append(path)
+        return real_describe(path, node)
+
+    monkeypatch.setattr(drain, "describe_node_file", recording)
+    assert drain.run(j0, None, finish=True, timeout=60) == 1
+    assert node_file not in described
+    why = drain.read_status(j0)["damaged"]["7"]["why"]
+    assert str(node_file) in why and f"its save wrote {size} bytes, {crc:08x}" in why, why
+    assert drain.run(j1, None, finish=True, timeout=60) == 1  # node 1 sets step 7 aside too
+    assert drain.read_manifest(tmp_path / "pfs" / layout.step_dirname(7)) is None
+
+
 def test_ls_and_verify_name_a_save_set_aside_as_damaged_until_it_is_saved_again(tmp_path):
     from bbio.checkpoint import admin
 
@@ -1460,16 +1490,19 @@ def test_a_step_counts_on_every_node_only_from_one_save():
 
 
 def test_a_step_in_the_burst_buffers_is_usable_of_another_layout_partial_or_set_aside():
-    def copy(time, same_layout=True, nodes=3, set_aside=False):
+    def copy(time, same_layout=True, nodes=3, set_aside=None):
         return {"time": time, "same_layout": same_layout, "nodes": nodes, "set_aside": set_aside}
 
     nodes = [  # this job: 3 nodes
         {1: copy(1.0), 2: copy(2.0), 3: copy(3.0, False, 2), 4: copy(4.0, False, 2)},
         {1: copy(1.0), 2: copy(2.5), 3: copy(3.0, False, 2), 4: copy(4.5, False, 2)},
-        {1: copy(1.0), 5: copy(5.0, False, 4), 6: copy(6.0, set_aside=True)},
+        {1: copy(1.0), 5: copy(5.0, False, 4), 6: copy(6.0, set_aside="node file")},
     ]
     for node in nodes[:2]:  # saved by another layout on nodes 0 and 1, set aside on node 1
-        node[7] = copy(7.0, False, 2, set_aside=node is nodes[1])
+        node[7] = copy(7.0, False, 2, set_aside="node file" if node is nodes[1] else None)
+        node[8] = copy(8.0, False, 2, set_aside="task file" if node is nodes[1] else None)
+    for node in nodes:  # whole in this layout: only a task file was damaged
+        node[9] = copy(9.0, set_aside="task file" if node is nodes[2] else None)
     assert restore.bb_states(nodes, {}) == {
         1: restore.USABLE,
         2: restore.PARTIAL,  # two saves
@@ -1478,6 +1511,8 @@ def test_a_step_in_the_burst_buffers_is_usable_of_another_layout_partial_or_set_
         5: restore.PARTIAL,  # saved on 4 nodes: this job has 3
         6: restore.SET_ASIDE,  # on one node: the save's drain there found it damaged
         7: restore.SET_ASIDE,  # complete, but never committed
+        8: restore.SET_ASIDE,  # its node files whole, but never committed: not readable here
+        9: restore.USABLE,  # its node files whole, in this layout
     }
     assert restore.bb_states(nodes[:1], {}) == {  # a job of node 0 alone
         1: restore.USABLE,
@@ -1485,6 +1520,8 @@ def test_a_step_in_the_burst_buffers_is_usable_of_another_layout_partial_or_set_
         3: restore.PARTIAL,  # node 1 of the save is not in the job
         4: restore.PARTIAL,
         7: restore.PARTIAL,
+        8: restore.PARTIAL,
+        9: restore.USABLE,  # node 0's copy: its task file was damaged on node 2
     }
     assert restore.bb_states([], {}) == {}
 

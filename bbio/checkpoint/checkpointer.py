@@ -906,7 +906,9 @@ class Checkpointer:
         for s, record in reader.bb_copies(self.bb_dir, self.node).items():
             saved, when = record.get("layout", mine), record.get("time")
             copies[s] = {"time": when, "same_layout": saved == mine, "nodes": saved["nodes"]}
-            copies[s]["set_aside"] = s in aside and aside[s].get("time") == when
+            set_aside = s in aside and aside[s].get("time") == when
+            why = "task file" if set_aside and aside[s].get(drain.TASK_DAMAGED) else "node file"
+            copies[s]["set_aside"] = why if set_aside else None
         return copies
 
     def _restore_first(
@@ -1144,8 +1146,8 @@ _UNREADABLE = {  # why a step only in the burst buffers is not restored, by its 
     reader.PARTIAL: "its burst-buffer copies are not one whole save on this job's nodes, and "
     "it is not committed (a save that did not finish, or one by nodes not all in this job: "
     "if it finished, 'bbio ckpt drain --finish' on its nodes commits it)",
-    reader.SET_ASIDE: "its drain set it aside: a node file was damaged in the burst buffer "
-    "('bbio ckpt verify' on its node names it), so it is never committed",
+    reader.SET_ASIDE: "its drain set it aside (a node file, or a drain task file, was damaged "
+    "in the burst buffer: 'bbio ckpt verify' on its node names it), so it is never committed",
 }
 
 

@@ -21,9 +21,10 @@ file order) to the PFS, at its final name if no file is there (such a file
 counts for nothing without its record and a manifest), else under a temporary
 name; fsync it on the descriptor that wrote it and read it back and compare
 (``ckpt_verify``: through the client cache, during the fsync; or from the
-device, after it, cached pages dropped); meanwhile write the node's record for
-the PFS (size, CRC32C, and what the file holds, read from the BB copy) under
-its temporary name, durably; only if the node file was not saved again
+device, after it, cached pages dropped); meanwhile, if the bytes copied are
+those the save recorded (size and CRC32C), write the node's record for the PFS
+(size, CRC32C, and what the file holds, read from the BB copy) under its
+temporary name, durably; only if the node file was not saved again
 meanwhile, rename the copy into place (if it is not there) and record it on
 the BB too; then, if every other node's record is there, this node is the
 last: it takes the commit lock, writes ``global.h5`` (virtual datasets over
@@ -98,6 +99,10 @@ RETIRING = ".retiring-"  # a checkpoint's directory being deleted by PFS retenti
 GLOBAL_VIEW = "global.h5"
 MANIFEST_FORMAT = "bbio-checkpoint/1"
 TASK_DAMAGED = "task_damaged"  # in a set-aside marker: the task file was damaged, not the copy
+DAMAGED_SINCE_SAVE = (
+    "it was damaged in the burst buffer since its save: this save cannot be drained (it is "
+    "set aside; later ones are drained); a restore passes over it"
+)
 STALE_LOCK_SECONDS = 120.0
 COMMIT_PATIENCE_SECONDS = STALE_LOCK_SECONDS + 5  # a held commit lock, waited on by default
 MAX_BACKOFF_SECONDS = 30.0
@@ -675,16 +680,16 @@ class NodeCopy:
     for nothing), else to its temporary name, renamed over the file there once
     durable and verified.  They are written, fsynced and (``ckpt_verify``
     "cache") read back on descriptors opened once, the reader's during the
-    copy, so the flush starts as the last byte is written.  The commit needs
-    the node file's description (then it reads nothing on the PFS).  A thread
-    reads it from the BB copy while the bytes are copied, started once the copy
-    opened the file: a file saved again before it is read shows the new save's
-    time, never the old (one saved later, a new BB record, read again before
-    the renames).  Started earlier, it would hold the interpreter while the
-    copy is set up; after the copy, while the flush starts.  The PFS record is
-    written during the flush, under its temporary name, and renamed
-    (:meth:`publish`) once the copy is durable, reads back right and is in
-    place.
+    copy, so the flush starts as the last byte is written.  The size and
+    CRC32C copied must be those the save recorded (else the node file was
+    damaged in the burst buffer since: :class:`DamagedNodeFile`), and only then
+    does HDF5 read the file: the commit needs its description (then it reads
+    nothing on the PFS), which a thread reads from the BB copy during the
+    flush and writes into the PFS record, under its temporary name; a file
+    saved again before it is read shows the new save's time, never the old
+    (one saved later, a new BB record, read again before the renames).  The
+    record is renamed (:meth:`publish`) once the copy is durable, reads back
+    right and is in place.
     """
 
     def __init__(
@@ -694,7 +699,6 @@ class NodeCopy:
         self.temp = files.temp_path(task.target)
         self.written = self.temp  # where the bytes go: the final name, or the temporary one
         self.pool = ThreadPoolExecutor(2)  # the reader, the description; the read-back, the record
-        self.described: futures.Future | None = None
         self.reader: futures.Future | None = None  # the read-back's descriptor
         self.fd: int | None = None
         self.made: tuple[int, int] | None = None  # (device, inode) of a file made in place
@@ -703,12 +707,11 @@ class NodeCopy:
 
     def copy(self) -> None:
         """Not collective: copy the bytes to the node file's final name if it is free, else
-        to its temporary name, describing the file meanwhile."""
+        to its temporary name."""
 
         def meanwhile() -> None:
             if self.task.verify == "cache":
                 self.reader = self.pool.submit(files.open_for_verification, self.written)
-            self.described = self.pool.submit(describe_node_file, self.task.source, self.task.node)
 
         try:
             source = os.open(self.task.source, os.O_RDONLY)
@@ -781,7 +784,7 @@ class NodeCopy:
 
     def _seal(self, journal: Path) -> dict[str, Any] | None:
         task, copied = self.task, self.copied
-        assert copied is not None and self.described is not None, "finish() before copy()"
+        assert copied is not None, "finish() before copy()"
         saved = self.bb_record.get("size"), self.bb_record.get("file_crc32c")
         if saved[1] is not None and saved != (copied.nbytes, copied.crc32c):
             if not _still_saved(task):
@@ -790,16 +793,17 @@ class NodeCopy:
                 f"the node file was copied as {copied.nbytes} bytes, CRC32C "
                 f"{copied.crc32c:08x}; its save wrote {saved[0]} bytes, {saved[1]:08x}",
                 path=task.source,
-                hint="it was damaged in the burst buffer: this save cannot be drained (it is "
-                "set aside; later ones are drained); a restore passes over it",
+                hint=DAMAGED_SINCE_SAVE,
             )
-        recording = self.pool.submit(_prepare_record, task, copied, self.described)
+        recording = self.pool.submit(_prepare_record, task, copied)
         try:
             size, crc = self._flush_and_read_back()
         finally:
             futures.wait([recording])  # its file is written, or never will be
         try:
             record, contents = recording.result()
+        except DamagedNodeFile:
+            raise
         except (OSError, KeyError, ValueError, TypeError, IntegrityError) as exc:
             if not _still_saved(task) or not task.source.exists():
                 return None  # saved again or dropped meanwhile: not this save's file
@@ -901,12 +905,11 @@ def _fsync(fd: int, path: Path) -> None:
 def _prepare_record(
     task: Task,
     copied: _native.CopyResult,
-    described: futures.Future,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Write the PFS record of ``task``'s node file, of the ``copied`` size and CRC32C
-    and its ``described`` contents, under its temporary name, durably:
-    (record, contents)."""
-    contents = described.result()
+    """Describe ``task``'s node file in the burst buffer (its copy checked first to hold
+    the bytes its save recorded) and write its PFS record, of the ``copied`` size and
+    CRC32C and those contents, under its temporary name, durably: (record, contents)."""
+    contents = describe_node_file(task.source, task.node)
     record = {
         "size": copied.nbytes,
         "crc32c": copied.crc32c,

@@ -70,9 +70,11 @@ def bb_states(
     """What a restore by this job can make of each step some node holds a burst-buffer
     copy of.  ``per_node``: for each node of this job, in node order, {step: {"time":
     the save's, "same_layout": saved by this job's layout of ranks (or not known),
-    "nodes": the saving job's node count (or None), "set_aside": its drain set the save
-    aside}}; ``committed``: {step: time} on the PFS.  A step is :data:`SET_ASIDE` when
-    a node's drain set its copy aside as damaged (it is never committed);
+    "nodes": the saving job's node count (or None), "set_aside": None, or why its
+    drain set the save aside, "node file" or "task file" damaged}}; ``committed``:
+    {step: time} on the PFS.  A step is :data:`SET_ASIDE` when a node's drain set
+    its save aside, so that it is never committed, and this job cannot read its
+    copies either (a node file is damaged, or they are of another layout of ranks);
     :data:`USABLE` when every node holds a copy of one save (see
     :func:`one_save_on_every_node`) in this layout; :data:`OTHER_LAYOUT` when it was
     saved by another layout of ranks and each of the saving job's nodes (all among
@@ -86,10 +88,13 @@ def bb_states(
         saved_nodes = {copy["nodes"] for copy in held}
         count = saved_nodes.pop() if len(saved_nodes) == 1 else None
         saving = per_node[:count] if isinstance(count, int) and 0 < count <= len(per_node) else []
-        if any(copy["set_aside"] for copy in held):
+        reasons = {copy["set_aside"] for copy in held} - {None}
+        if "node file" in reasons:
             states[step] = SET_ASIDE
         elif all(copy["same_layout"] for copy in held):
             states[step] = USABLE if step in usable else PARTIAL
+        elif reasons:
+            states[step] = SET_ASIDE
         elif step in one_save_on_every_node(saving, committed):
             states[step] = OTHER_LAYOUT
         else:
