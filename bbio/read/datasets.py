@@ -189,8 +189,9 @@ def _shard_arrays(path: Path, shard: ShardInfo) -> tuple[np.ndarray, np.ndarray]
 
 def _packed_layout(
     comm, node: int, is_leader: bool, root: Path, staged: Path | None, bb_dir: Path
-) -> Layout:
-    """Collective over ``comm``: a pack's extent table.
+) -> tuple[Layout, dict[int, str]]:
+    """Collective over ``comm``: a pack's extent table, and the shards this node holds
+    (:func:`_local_copies`).
 
     Each shard's index is read by a node that holds the shard in its burst
     buffer when one does (so a staged pack needs no PFS access), else by rank 0
@@ -238,7 +239,7 @@ def _packed_layout(
         np.concatenate(offsets) if shards else np.zeros(0, np.int64),
         np.concatenate(lengths) if shards else np.zeros(0, np.int64),
     )
-    return Layout("packed", files, sizes, extents, None, None, crcs)
+    return Layout("packed", files, sizes, extents, None, None, crcs), local
 
 
 def _fixed_layout(
@@ -1042,10 +1043,11 @@ def _open(comm, path, dataset, record_bytes, sample_shape, dtype, header_bytes, 
         raise UsageError(f"dataset= is for HDF5 files; this is {_KINDS[kind]}", path=path)
     if kind == "raw" and record_bytes is None and sample_shape is None:
         raise UsageError("a raw file needs record_bytes=, or sample_shape= and dtype=", path=path)
+    local = None
     if kind == "directory":
         layout = _directory_layout(comm, path, staged)
     elif kind == "packed":
-        layout = _packed_layout(comm, node, is_leader, path, staged, bb_dir)
+        layout, local = _packed_layout(comm, node, is_leader, path, staged, bb_dir)
     else:
         layout = None
         with agreed(comm, f"opening the dataset {path}"):
@@ -1057,7 +1059,8 @@ def _open(comm, path, dataset, record_bytes, sample_shape, dtype, header_bytes, 
                         path, source, record_bytes, sample_shape, dtype, header_bytes
                     )
         layout = comm.bcast(layout, root=0)
-    local = _local_copies(bb_dir, node, layout.files, layout.file_sizes, layout.file_crcs)
+    if local is None:
+        local = _local_copies(bb_dir, node, layout.files, layout.file_sizes, layout.file_crcs)
     return Dataset(comm, path, layout, local, config)
 
 
