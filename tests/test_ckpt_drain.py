@@ -1253,6 +1253,26 @@ def test_the_drain_checks_a_node_file_against_its_save_before_hdf5_reads_it(tmp_
     assert drain.read_manifest(tmp_path / "pfs" / layout.step_dirname(7)) is None
 
 
+def test_a_save_set_aside_for_another_nodes_damaged_task_file_says_so_on_every_node(tmp_path):
+    """Node 0's task file is damaged (its node file whole); node 1's drain comes to the
+    step after node 0 put its marker on the PFS.  Before, node 1's marker said node 0's
+    *file* was damaged, and restore then passed over a save it can read in its layout."""
+    from bbio.checkpoint import admin
+
+    pfs = tmp_path / "pfs" / layout.CKPT_DIR / "run"
+    j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5, pfs_root=pfs)
+    for journal in (j0, j1):
+        drain.set_target(journal, pfs, nodes=2, keep_pfs=5)
+    (pfs / layout.step_dirname(7)).mkdir(parents=True)  # a retried step, say
+    drain.task_path(j0, 7).write_text("{not json")
+    assert drain.run(j0, None, finish=True, timeout=60) == 1
+    assert drain.run(j1, None, finish=True, timeout=60) == 1
+    for journal in (j0, j1):
+        assert drain.set_aside(journal)[7].get(drain.TASK_DAMAGED) is True, journal
+    with pytest.raises(IntegrityError, match="node 0's drain task file is damaged"):
+        admin.verify(tmp_path / "bb" / "1", tmp_path / "pfs", node=1)
+
+
 def test_ls_and_verify_name_a_save_set_aside_as_damaged_until_it_is_saved_again(tmp_path):
     from bbio.checkpoint import admin
 

@@ -111,9 +111,10 @@ def verify(bb_root: Path, pfs_root: Path, node: int | None = None, name: str | N
                 continue
             damaged = None if manifest else drain.read_damaged(pfs_dir / layout.step_dirname(step))
             if damaged is not None:
+                what = "drain task file" if damaged.get(drain.TASK_DAMAGED) else "file"
                 problems.append(
                     f"{pfs_dir / layout.step_dirname(step)}: step {step} is never committed: "
-                    f"node {damaged.get('node')}'s file is damaged ({damaged.get('why')}); "
+                    f"node {damaged.get('node')}'s {what} is damaged ({damaged.get('why')}); "
                     "save the step again, or remove that step directory"
                 )
             for entry in manifest["files"] if manifest else []:
@@ -156,6 +157,11 @@ def _set_aside_here(bb_dir: Path, node: int | None) -> list[str]:
     journal = drain.journal_dir(bb_dir)
     for step, marker in sorted(drain.set_aside(journal).items()):
         if marker.get(drain.TASK_DAMAGED):
+            try:  # else another node's task file is the damaged one: the PFS marker says so
+                drain.read_task(drain.task_path(journal, step))
+                continue
+            except IntegrityError:
+                pass
             problems.append(
                 f"{drain.task_path(journal, step)}: set aside by the drain, never drained: "
                 f"{marker.get('why')}; save step {step} again, or remove it, "

@@ -802,8 +802,6 @@ class NodeCopy:
             futures.wait([recording])  # its file is written, or never will be
         try:
             record, contents = recording.result()
-        except DamagedNodeFile:
-            raise
         except (OSError, KeyError, ValueError, TypeError, IntegrityError) as exc:
             if not _still_saved(task) or not task.source.exists():
                 return None  # saved again or dropped meanwhile: not this save's file
@@ -1537,7 +1535,8 @@ def _begin(journal: Path, task: Task, retry: bool = False) -> NodeCopy | None:
     made = _make_step_dir(Path(task.pfs_step_dir))
     elsewhere = None if made else damaged_save(Path(task.pfs_step_dir), task.save_time)
     if elsewhere is not None:  # another node's file of this save is damaged: never commits
-        _set_aside(journal, task, str(elsewhere.get("why")), elsewhere.get("node"))
+        why, node = str(elsewhere.get("why")), elsewhere.get("node")
+        _set_aside(journal, task, why, node, task_damaged=bool(elsewhere.get(TASK_DAMAGED)))
         return None
     copying = start_copy(task)
     if copying is None:
@@ -2245,13 +2244,17 @@ def _drain(
                 return 1
 
 
-def _set_aside(journal: Path, task: Task, why: str, node: int | None = None) -> None:
+def _set_aside(
+    journal: Path, task: Task, why: str, node: int | None = None, task_damaged: bool = False
+) -> None:
     """Set ``task``'s save aside because ``node``'s file of it (default: this node's) is
-    damaged: a marker beside its task (which a new save of the step replaces, and the
-    marker then no longer matches), and, unless there is one, one on the PFS for the
-    other nodes' drains (if that fails, tried again every second and before the drain
-    exits)."""
+    damaged (``task_damaged``: its drain task file, its node file whole): a marker beside
+    its task (which a new save of the step replaces, and the marker then no longer
+    matches), and, unless there is one, one on the PFS for the other nodes' drains (if
+    that fails, tried again every second and before the drain exits)."""
     marker = {"time": task.save_time, "why": why, "node": task.node if node is None else node}
+    if task_damaged:
+        marker[TASK_DAMAGED] = True
     files.write_json_atomic(set_aside_path(journal, task.step), marker)
     _tell_other_nodes(task, marker)
 
