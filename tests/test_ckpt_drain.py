@@ -2020,3 +2020,24 @@ def test_reading_a_damaged_node_file_names_it(tmp_path):
         with pytest.raises(IntegrityError, match="cannot be read") as info:
             read()
         assert str(path) in str(info.value)
+
+
+def test_a_look_at_whether_a_drain_runs_does_not_see_another_look(tmp_path):
+    """Both ranks of a node look at once when their waits time out together.  Before,
+    each look took the lock exclusive for an instant, so one could see the other's and
+    blame a drain that was not running (a flaky failure under load)."""
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    for name, is_held in (
+        (drain.LOCK, drain.is_draining),
+        (drain.NEXT_LOCK, drain.has_waiting_drain),
+    ):
+        fd = os.open(journal / name, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # another look, under way
+            assert not is_held(journal)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # a drain
+            assert is_held(journal)
+        finally:
+            os.close(fd)
+        assert not is_held(journal)

@@ -2016,13 +2016,15 @@ def has_waiting_drain(journal: Path) -> bool:
 
 
 def _held(lock: Path) -> bool:
-    """Does a process hold the ``flock`` on ``lock`` now?"""
+    """Does a drain hold the ``flock`` on ``lock`` now?  Drains hold it exclusive; a look
+    takes it shared for an instant, so that two looks at once (the ranks of a node) do
+    not see each other as a drain."""
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
         return False  # no journal yet: nothing drains it
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return True
     finally:
