@@ -23,6 +23,7 @@ import bbio
 from bbio.checkpoint import admin, drain, layout
 from bbio.checkpoint import restore as reader
 from bbio.config import Config
+from bbio.demo.__main__ import processes_running
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -698,13 +699,7 @@ def test_a_newest_step_only_in_burst_buffers_of_another_layout_is_not_passed_ove
 
 def drains_of(journal: Path) -> list[int]:
     """The PIDs of the drain processes of ``journal`` on this machine."""
-    pids = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        with contextlib.suppress(OSError):
-            args = cmdline.read_bytes().split(b"\0")
-            if b"bbio.checkpoint.drainer" in args and str(journal).encode() in args:
-                pids.append(int(cmdline.parent.name))
-    return pids
+    return processes_running(f"bbio.checkpoint.drainer --journal {journal} ")
 
 
 @pytest.mark.timeout(150)

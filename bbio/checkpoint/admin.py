@@ -157,11 +157,8 @@ def _set_aside_here(bb_dir: Path, node: int | None) -> list[str]:
     journal = drain.journal_dir(bb_dir)
     for step, marker in sorted(drain.set_aside(journal).items()):
         if marker.get(drain.TASK_DAMAGED):
-            try:  # else another node's task file is the damaged one: the PFS marker says so
-                drain.read_task(drain.task_path(journal, step))
-                continue
-            except IntegrityError:
-                pass
+            if not _task_damaged(journal, step):
+                continue  # another node's task file is: its PFS marker says so
             problems.append(
                 f"{drain.task_path(journal, step)}: set aside by the drain, never drained: "
                 f"{marker.get('why')}; save step {step} again, or remove it, "
@@ -182,6 +179,15 @@ def _set_aside_here(bb_dir: Path, node: int | None) -> list[str]:
             f"{drain.task_path(journal, step)} and {drain.set_aside_path(journal, step)}"
         )
     return problems
+
+
+def _task_damaged(journal: Path, step: int) -> bool:
+    """Whether ``journal``'s task file of ``step`` is damaged.  Not collective."""
+    try:
+        drain.read_task(drain.task_path(journal, step))
+    except IntegrityError:
+        return True
+    return False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -570,7 +570,9 @@ def record_problem(record: dict[str, Any]) -> str | None:
     for name in ("crc32c", "file_crc32c"):
         if record.get(name) is not None and not _is_count(record[name]):
             return f"{name} is {record[name]!r}"
-    ranks = record.get("layout", {"ranks": 1, "nodes": 1, "node_ranks": []})
+    if "layout" not in record:  # a save by an earlier bbio
+        return None
+    ranks = record["layout"]
     fields = ranks if isinstance(ranks, dict) else {}
     if not (
         _is_count(fields.get("ranks"))

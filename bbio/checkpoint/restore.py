@@ -85,9 +85,6 @@ def bb_states(
     states = {}
     for step in set().union(*per_node):
         held = [copies[step] for copies in per_node if step in copies]
-        saved_nodes = {copy["nodes"] for copy in held}
-        count = saved_nodes.pop() if len(saved_nodes) == 1 else None
-        saving = per_node[:count] if isinstance(count, int) and 0 < count <= len(per_node) else []
         reasons = {copy["set_aside"] for copy in held} - {None}
         if "node file" in reasons:
             states[step] = SET_ASIDE
@@ -95,11 +92,25 @@ def bb_states(
             states[step] = USABLE if step in usable else PARTIAL
         elif reasons:
             states[step] = SET_ASIDE
-        elif step in one_save_on_every_node(saving, committed):
-            states[step] = OTHER_LAYOUT
         else:
-            states[step] = PARTIAL
+            states[step] = _of_another_layout(step, held, per_node, committed)
     return states
+
+
+def _of_another_layout(
+    step: int,
+    held: list[dict[str, Any]],
+    per_node: list[dict[int, dict[str, Any]]],
+    committed: Mapping[int, Any],
+) -> str:
+    """:data:`OTHER_LAYOUT` if the copies ``held`` of ``step`` say one node count, those
+    nodes are all among this job's (``per_node``, see :func:`bb_states`), and each holds
+    a copy of one save; else :data:`PARTIAL`.  Pure."""
+    counts = {copy["nodes"] for copy in held}
+    count = counts.pop() if len(counts) == 1 else 0
+    if not 0 < count <= len(per_node):
+        return PARTIAL
+    return OTHER_LAYOUT if step in one_save_on_every_node(per_node[:count], committed) else PARTIAL
 
 
 def damaged_bb_records(bb_ckpt_dir: Path, node: int | None) -> list[BBIOError]:
