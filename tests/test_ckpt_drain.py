@@ -1267,8 +1267,10 @@ def test_a_save_set_aside_for_another_nodes_damaged_task_file_says_so_on_every_n
     drain.task_path(j0, 7).write_text("{not json")
     assert drain.run(j0, None, finish=True, timeout=60) == 1
     assert drain.run(j1, None, finish=True, timeout=60) == 1
-    for journal in (j0, j1):
+    for node, journal in enumerate((j0, j1)):
         assert drain.set_aside(journal)[7].get(drain.TASK_DAMAGED) is True, journal
+        (row,) = admin.list_checkpoints(tmp_path / "bb" / str(node), tmp_path / "pfs", node, "run")
+        assert (row.pfs, row.queue) == ("damaged task 0", "set aside")
     with pytest.raises(IntegrityError, match="node 0's drain task file is damaged"):
         admin.verify(tmp_path / "bb" / "1", tmp_path / "pfs", node=1)
 

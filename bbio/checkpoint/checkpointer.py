@@ -189,7 +189,8 @@ class CheckpointInfo:
 
     step: int
     bb: str  # "all nodes", "nodes [0, 2]", "nodes [0, 1], of different saves (...)" or "-"
-    pfs: str  # "committed", "draining", "damaged manifest", "damaged node N" or "-"
+    pfs: str  # "committed", "draining", "damaged manifest",
+    # "damaged node N", "damaged task N" or "-"
 
 
 class Checkpointer:

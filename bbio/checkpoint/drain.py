@@ -1258,8 +1258,9 @@ def committed_saves(ckpt_dir: Path) -> dict[int, Any]:
 
 def describe_pfs(pfs_ckpt_dir: Path) -> tuple[dict[int, str], dict[int, Any]]:
     """Steps on the PFS: committed, draining (some node files there), "damaged manifest"
-    (not valid JSON), or "damaged node N" (node N's file of the step's latest save is
-    damaged: set aside, never committed); and the committed saves' times, as
+    (not valid JSON), "damaged node N" (node N's file of the step's latest save is
+    damaged: set aside, never committed) or "damaged task N" (node N's drain task file
+    of it is damaged: set aside, its files whole); and the committed saves' times, as
     :func:`committed_saves` (each manifest is read once).  Not collective."""
     states: dict[int, str] = {}
     saves: dict[int, Any] = {}
@@ -1272,7 +1273,8 @@ def describe_pfs(pfs_ckpt_dir: Path) -> tuple[dict[int, str], dict[int, Any]]:
             continue
         damaged = None if manifest else read_damaged(step_dir)
         if damaged is not None:
-            states[step] = f"damaged node {damaged.get('node')}"
+            what = "task" if damaged.get(TASK_DAMAGED) else "node"
+            states[step] = f"damaged {what} {damaged.get('node')}"
         else:
             states[step] = "committed" if manifest else "draining"
         if manifest is not None:
