@@ -295,38 +295,46 @@ uint32_t bbio_crc32c(uint32_t crc, const void *buf, size_t len)
 /* -------------------------------------------------------------------- copy */
 
 /* pread/pwrite that retry on EINTR and, when an O_DIRECT descriptor rejects an
- * unaligned tail (EINVAL), drop O_DIRECT for the rest of the transfer. */
+ * unaligned tail (EINVAL), drop O_DIRECT for the rest of the transfer and retry once.
+ * drop_direct says 1 once O_DIRECT is off, whether this thread or another (a copy
+ * split between threads) turned it off. */
 static int drop_direct(int fd)
 {
     int fl = fcntl(fd, F_GETFL);
-    if (fl < 0 || !(fl & O_DIRECT))
+    if (fl < 0)
         return 0;
-    return fcntl(fd, F_SETFL, fl & ~O_DIRECT) == 0;
+    return !(fl & O_DIRECT) || fcntl(fd, F_SETFL, fl & ~O_DIRECT) == 0;
 }
 
 static ssize_t pread_retry(int fd, void *buf, size_t len, int64_t off)
 {
+    int dropped = 0;
     for (;;) {
         ssize_t n = pread(fd, buf, len, (off_t)off);
         if (n >= 0)
             return n;
         if (errno == EINTR)
             continue;
-        if (errno == EINVAL && drop_direct(fd))
+        if (errno == EINVAL && !dropped && drop_direct(fd)) {
+            dropped = 1;
             continue;
+        }
         return -1;
     }
 }
 
 static int pwrite_all(int fd, const unsigned char *buf, size_t len, int64_t off)
 {
+    int dropped = 0;
     while (len) {
         ssize_t n = pwrite(fd, buf, len, (off_t)off);
         if (n < 0) {
             if (errno == EINTR)
                 continue;
-            if (errno == EINVAL && drop_direct(fd))
+            if (errno == EINVAL && !dropped && drop_direct(fd)) {
+                dropped = 1;
                 continue;
+            }
             return errno;
         }
         if (n == 0)
@@ -343,6 +351,7 @@ static int copy_kernel(int src_fd, int dst_fd, int64_t src_off,
                        int *failed_fd, int *unsupported)
 {
     loff_t in = src_off, out = dst_off;
+    int dropped = 0;
     while (len < 0 || *copied < len) {
         size_t want = (len < 0 || len - *copied > (int64_t)(1 << 30))
                           ? (size_t)1 << 30
@@ -356,6 +365,12 @@ static int copy_kernel(int src_fd, int dst_fd, int64_t src_off,
             return 0;
         if (errno == EINTR)
             continue;
+        if (errno == EINVAL && *copied > 0 && !dropped) { /* an O_DIRECT tail */
+            dropped = 1;
+            drop_direct(src_fd);
+            drop_direct(dst_fd);
+            continue;
+        }
         if (*copied == 0 && (errno == EXDEV || errno == ENOSYS ||
                              errno == EOPNOTSUPP || errno == EINVAL ||
                              errno == EBADF || errno == EPERM)) {
@@ -364,7 +379,12 @@ static int copy_kernel(int src_fd, int dst_fd, int64_t src_off,
         }
         int err = errno;
         unsigned char probe; /* which side failed: the source, if it cannot be read */
-        *failed_fd = pread(src_fd, &probe, 1, in) < 0 ? src_fd : dst_fd;
+        if (err == ENOSPC || err == EDQUOT || err == EFBIG)
+            *failed_fd = dst_fd;
+        else {
+            drop_direct(src_fd); /* a 1-byte probe is EINVAL under O_DIRECT */
+            *failed_fd = pread(src_fd, &probe, 1, in) < 0 ? src_fd : dst_fd;
+        }
         return err;
     }
     return 0;
@@ -894,8 +914,14 @@ static int64_t pread_aligned(int fd, unsigned char *dst, int64_t want, int64_t o
 {
     if (want == 0)
         return 0; /* no bounce buffer needed (nor made) */
+    if (off > INT64_MAX - want)
+        return -EINVAL; /* as pread says of a range past the largest file offset */
     int64_t start = off & ~(int64_t)(ALIGNMENT - 1);
-    int64_t end = (off + want + ALIGNMENT - 1) & ~(int64_t)(ALIGNMENT - 1);
+    int64_t last_page = INT64_MAX & ~(int64_t)(ALIGNMENT - 1);
+    int64_t end = off + want > last_page ? last_page
+                                         : (off + want + ALIGNMENT - 1) & ~(int64_t)(ALIGNMENT - 1);
+    if (end <= start)
+        return 0; /* in the last page a file offset can name: no file holds bytes there */
     unsigned char *tmp = bounce((size_t)(end - start));
     if (tmp == NULL)
         return -ENOMEM;

@@ -148,16 +148,46 @@ def test_copy_range_from_beyond_end_copies_nothing(tmp_path):
     assert native[0] == 0
 
 
-@pytest.mark.parametrize("size", [0, 1, 4097, (9 << 20) + 3])
-def test_copy_file_direct_and_buffered(tmp_path, size):
+@pytest.mark.parametrize("checksum", [True, False])
+@pytest.mark.parametrize("size", [0, 1, 4097, 200_003, 7_000_000, (9 << 20) + 3])
+def test_copy_file_direct_and_buffered(tmp_path, size, checksum):
+    """Without a checksum the kernel copies (copy_file_range): under O_DIRECT it took the
+    aligned part and then refused the file's unaligned tail (EINVAL), failing the copy."""
     data = random_bytes(size, seed=4)
     src = write_file(tmp_path / "src", data)
     for direct in (False, True):
         dst = tmp_path / f"dst-{direct}"
-        result = _native.copy_file(src, dst, direct=direct)
+        result = _native.copy_file(src, dst, direct=direct, checksum=checksum)
         assert result.nbytes == size
-        assert result.crc32c == crc32c_package.crc32c(data)
+        assert result.crc32c == (crc32c_package.crc32c(data) if checksum else None)
         assert dst.read_bytes() == data
+
+
+@pytest.mark.parametrize("direct_side", ["source", "destination"])
+def test_a_copy_split_between_threads_at_unaligned_offsets_under_o_direct(tmp_path, direct_side):
+    """Both halves of a split copy meet O_DIRECT's EINVAL at an unaligned offset; the
+    first thread to turn O_DIRECT off retried, the other then found it off and failed."""
+    data = random_bytes((9 << 20) + 3, seed=5)
+    src = write_file(tmp_path / "src", data)
+    dst = tmp_path / "dst"
+    src_offset, dst_offset = (5, 0) if direct_side == "source" else (0, 3)
+    for _ in range(8):
+        if direct_side == "source":
+            sfd = _native.open_direct(src, os.O_RDONLY) or os.open(src, os.O_RDONLY)
+            dfd = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        else:
+            sfd = os.open(src, os.O_RDONLY)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+            dfd = _native.open_direct(dst, flags, 0o600) or os.open(dst, flags, 0o600)
+        try:
+            result = _native.copy_range(
+                sfd, dfd, src_offset, dst_offset, -1, checksum=True, src_path=src, dst_path=dst
+            )
+        finally:
+            os.close(sfd)
+            os.close(dfd)
+        assert result.crc32c == crc32c_package.crc32c(data[src_offset:])
+        assert dst.read_bytes()[dst_offset:] == data[src_offset:]
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a one-CPU copy never splits")
@@ -258,6 +288,26 @@ def test_copy_range_full_device_names_destination(tmp_path):
     assert info.value.errno == errno.ENOSPC
     assert info.value.filename == "/dev/full"
     assert isinstance(info.value, OSError)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a loop-mounted file system needs root")
+def test_a_full_device_is_blamed_on_the_destination_when_the_source_is_o_direct(tmp_path):
+    """On the kernel's copy path the side to blame was found by reading one byte of the
+    source, which O_DIRECT refuses: a full destination was reported as the source."""
+    image, mount = tmp_path / "ext4.img", tmp_path / "mnt"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(16 << 20)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True)
+    if made.returncode != 0 or subprocess.run(["mount", "-o", "loop", image, mount]).returncode:
+        pytest.skip("no loop-mounted ext4 here")
+    try:
+        src = write_file(mount / "src", random_bytes(9 << 20, seed=6))
+        with pytest.raises(NoSpaceError) as info:
+            _native.copy_file(src, mount / "dst", checksum=False, direct=True)
+        assert info.value.filename == str(mount / "dst")
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount)], check=True)
 
 
 def test_copy_range_bad_descriptor_names_source(tmp_path):
@@ -576,6 +626,22 @@ def test_pread_batch_refuses_an_output_offset_that_would_wrap(tmp_path):
             with pytest.raises(UsageError, match="fit in the 16-byte output buffer"):
                 _native.pread_batch([fd], [0], [1], bytearray(16), [2**63 - 1], aligned=aligned)
         assert _native.pread_batch([fd], [0], [0], bytearray(16), aligned=[True]).tolist() == [0]
+    finally:
+        os.close(fd)
+
+
+def test_an_aligned_read_near_the_largest_offset_answers_as_an_unaligned_one(tmp_path):
+    """Rounding such a request out to whole pages overflowed a signed 64-bit offset."""
+    fd = os.open(write_file(tmp_path / "a", b"x" * 100), os.O_RDONLY)
+    try:
+        for offset, length in ((2**63 - 100, 50), (2**63 - 4096, 4095), (2**63 - 10, 20)):
+            results = [
+                _native.pread_batch(
+                    [fd], [offset], [length], bytearray(length), aligned=[aligned], check=False
+                ).tolist()
+                for aligned in (False, True)
+            ]
+            assert results[0] == results[1], (offset, length, results)
     finally:
         os.close(fd)
 
