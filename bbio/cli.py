@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from bbio._version import __version__
 from bbio.config import load_config
-from bbio.errors import BBIOError
+from bbio.errors import BBIOError, from_oserror
 from bbio.report import format_bytes, format_table
 
 if TYPE_CHECKING:
@@ -255,12 +255,12 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
     from bbio import slurm
 
     job = slurm.Job.from_env(os.environ)
-    config = load_config(args.config)
+    site = slurm.Site.load(args.config, os.environ)
     if args.slurm_command == "prolog":
-        path = slurm.prolog(config, job)
+        path = slurm.prolog(site, job)
         print(f"bbio prolog: burst buffer {path} ready")
         return 0
-    done = slurm.epilog(config, job, args.timeout)
+    done = slurm.epilog(site, job, slurm.epilog_timeout(args.timeout))
     for journal in done.failed:
         print(f"bbio epilog: could not drain {journal}; {done.path} is kept", file=sys.stderr)
     if done.removed:
@@ -391,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
     epilog = hook_commands.add_parser(
         "epilog", help="drain queued checkpoints, then remove the job's burst-buffer directory"
     )
-    epilog.add_argument("--timeout", type=float, default=3600, help="seconds (default 3600)")
+    epilog.add_argument("--timeout", default="3600", help="seconds, inf: no limit (default 3600)")
     epilog.set_defaults(run=_cmd_slurm)
     return parser
 
@@ -440,6 +440,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.run(args)
     except BBIOError as exc:
         print(f"bbio: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # one the library did not turn into a BBIOError: name its path
+        words = (
+            args.command,
+            getattr(args, "ckpt_command", None),
+            getattr(args, "slurm_command", None),
+        )
+        error = from_oserror(
+            exc,
+            f"finish bbio {' '.join(word for word in words if word)}",
+            hint="check that path (its permissions for this user, its file system), then run "
+            "the command again",
+        )
+        print(f"bbio: error: {error}", file=sys.stderr)
         return 1
 
 

@@ -263,12 +263,21 @@ def _integer(raw: Any) -> int | None:
     return raw
 
 
+def config_file_path(
+    config_file: str | os.PathLike | None, env: Mapping[str, str]
+) -> str | os.PathLike | None:
+    """The TOML file :func:`load_config` reads: ``config_file``, else ``BBIO_CONFIG`` (empty:
+    unset, as every setting), else :data:`SITE_CONFIG_FILE` if it exists; None: no file."""
+    path = config_file or env.get("BBIO_CONFIG") or None
+    if path is None and SITE_CONFIG_FILE.exists():
+        return SITE_CONFIG_FILE
+    return path
+
+
 def _file_layer(config_file: str | os.PathLike | None, env: Mapping[str, str]) -> dict:
-    path = config_file or env.get("BBIO_CONFIG") or None  # empty: unset, as every setting
+    path = config_file_path(config_file, env)
     if path is None:
-        if not SITE_CONFIG_FILE.exists():
-            return {}
-        path = SITE_CONFIG_FILE
+        return {}
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)

@@ -8,7 +8,8 @@ still queued anywhere under the job's directory on this host, then removes
 the job's directory as root — unless something could not be drained: then
 the data stays and the epilog fails, which makes Slurm drain the node so
 that an admin can recover it.  ``jobscripts/slurm-prolog.sh`` and
-``slurm-epilog.sh`` call these.
+``slurm-epilog.sh`` call these.  Both read the site file alone (:class:`Site`):
+``BBIO_*`` variables in an admin's shell do not move the job's directory.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -30,12 +32,20 @@ from pathlib import Path
 
 from bbio.arguments import seconds_argument
 from bbio.checkpoint import admin, drain, layout
-from bbio.config import Config
-from bbio.errors import ConfigError, from_oserror
+from bbio.config import Config, config_file_path, load_config
+from bbio.errors import ConfigError, PermissionDeniedError, from_oserror
 
 ENDING_GRACE_SECONDS = 60.0  # after its timeout, the epilog's drain has this long to end
 KILLED_GRACE_SECONDS = 5.0  # then it is killed, and waited for this long (not if it hangs)
 DRAINS_AT_ONCE = 8  # journals drained at once, each in a process of its own
+WAIT_SLICE_SECONDS = 3600.0  # the epilog waits for its drains this long at most per call
+SITE_VARIABLES = ("BBIO_CONFIG",)  # the only BBIO_* variable the hooks read: the site file
+LARGEST_ID = 2**32 - 2  # uid_t and gid_t; 2**32 - 1 is (uid_t) -1, "no change" to chown
+CAP_CHOWN = 0  # its bit in /proc/self/status's CapEff
+FILE_SYSTEM_HINT = (
+    "check the burst buffer's file system (mounted read-write? space and inodes free: df -h, "
+    "df -i), then resume the node (scontrol update nodename=NODE state=resume)"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,17 +63,17 @@ class Job:
         (without it: the user's primary group)."""
         try:
             job_id, user = env["SLURM_JOB_ID"], env["SLURM_JOB_USER"]
-            uid = int(env["SLURM_JOB_UID"])
-            gid = int(env["SLURM_JOB_GID"]) if env.get("SLURM_JOB_GID") else None
-        except (KeyError, ValueError) as exc:
+            uid = _id_from_env(env, "SLURM_JOB_UID")
+        except KeyError as exc:
             raise ConfigError(
-                f"not run by Slurm: {exc} is missing or invalid",
+                f"not run by Slurm: {exc.args[0]} is not set",
                 hint="run this from a Slurm Prolog/Epilog, which sets SLURM_JOB_ID, "
                 "SLURM_JOB_USER and SLURM_JOB_UID",
             ) from None
         if not job_id or not user:
             empty = "SLURM_JOB_ID" if not job_id else "SLURM_JOB_USER"
             raise ConfigError(f"not run by Slurm: {empty} is empty")
+        gid = _id_from_env(env, "SLURM_JOB_GID") if env.get("SLURM_JOB_GID") else None
         if gid is not None:
             return cls(job_id, user, uid, gid)
         try:
@@ -75,33 +85,81 @@ class Job:
             ) from None
 
 
+def _id_from_env(env: Mapping[str, str], name: str) -> int:
+    """The user or group id in ``env[name]``; a :class:`ConfigError` naming ``name`` unless it
+    is an integer from 0 to :data:`LARGEST_ID`."""
+    text = env[name]
+    if not (text.isascii() and text.isdigit()) or int(text) > LARGEST_ID:
+        raise ConfigError(
+            f"{name}={text!r} is not a user or group id (an integer from 0 to {LARGEST_ID})",
+            hint=f"Slurm sets {name} to the job's; run by hand, give the job user's "
+            "(id -u USER, id -g USER)",
+        )
+    return int(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """The settings the hooks use: the site file's alone (``file`` None: there is none, the
+    built-in defaults apply)."""
+
+    config: Config
+    file: str | None = None
+
+    @classmethod
+    def load(cls, config_file: str | None, env: Mapping[str, str]) -> Site:
+        """The site file: ``config_file``, else ``BBIO_CONFIG``, else ``/etc/bbio/bbio.toml``;
+        every other ``BBIO_*`` variable in ``env`` is ignored (an admin's own, when an
+        epilog is run by hand, would else move the job's directory)."""
+        site_env = {name: env[name] for name in SITE_VARIABLES if name in env}
+        path = config_file_path(config_file, site_env)
+        return cls(load_config(config_file, env=site_env), None if path is None else str(path))
+
+    def describe(self) -> str:
+        """Where ``bb_root`` comes from, for error messages."""
+        return f"the site file {self.file}" if self.file else "the defaults: no site file"
+
+
 def job_config(config: Config, job: Job) -> Config:
     """``config`` for ``job``: {job} and {user} are Slurm's job id and user, whatever
     ``BBIO_JOB_ID`` or ``BBIO_USER`` say."""
     return dataclasses.replace(config, job_id=job.id, user=job.user)
 
 
-def job_dir(config: Config) -> Path:
-    """The job's directory: ``bb_root`` up to its component with {job}, expanded.
+def job_dir(site: Site, job: Job) -> Path:
+    """The job's directory: the site's ``bb_root`` up to its component with {job}, expanded
+    for ``job``.
 
-    Raises :class:`ConfigError` if ``bb_root`` has no {job}, or {node} up to it.
+    Raises :class:`ConfigError` if ``bb_root`` has no {job}, has {node} up to it, or is
+    not an absolute path.
     """
-    parts = Path(config.bb_root).parts
+    bb_root = site.config.bb_root
+    parts = Path(bb_root).parts
     index = next((i for i, part in enumerate(parts) if "{job}" in part), None)
+    fix = f"set bb_root in {site.file or '/etc/bbio/bbio.toml'}"
     if index is None:
         raise ConfigError(
-            f"bb_root {config.bb_root} has no {{job}}: the Slurm hooks create and remove one "
-            "directory per job, and would remove what other jobs on this node still use",
-            hint="set bb_root in /etc/bbio/bbio.toml to e.g. /local/nvme/bbio/{job}",
+            f"bb_root {bb_root} (from {site.describe()}) has no {{job}}: the Slurm hooks "
+            "create and remove one directory per job, and would remove what other jobs on "
+            "this node still use",
+            hint=f"{fix} to e.g. /local/nvme/bbio/{{job}}",
         )
     template = os.path.join(*parts[: index + 1])
     if "{node}" in template:
         raise ConfigError(
-            f"bb_root {config.bb_root} has {{node}} before or beside {{job}}: the hooks "
-            "cannot know which node index this host has in the job",
-            hint="put {node} in a component below the job's, e.g. /local/nvme/bbio/{job}/{node}",
+            f"bb_root {bb_root} (from {site.describe()}) has {{node}} before or beside "
+            "{job}: the hooks cannot know which node index this host has in the job",
+            hint=f"{fix} with {{node}} in a component below the job's, e.g. "
+            "/local/nvme/bbio/{job}/{node}",
         )
-    return config.expand(template)
+    path = job_config(site.config, job).expand(template)
+    if not path.is_absolute():
+        raise ConfigError(
+            f"bb_root {bb_root} (from {site.describe()}) is not an absolute path: the hooks "
+            "would make and remove the job's directory relative to wherever slurmd runs them",
+            hint=f"{fix} to an absolute path, e.g. /local/nvme/bbio/{{job}}",
+        )
+    return path
 
 
 def journals_under(job_root: Path) -> list[Path]:
@@ -142,9 +200,20 @@ def check_parents(path: Path, make: bool = False) -> None:
     for part in path.parent.parts[1:]:
         current = current / part
         if make:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(current, 0o755)
+            _make_directory(current, 0o755, "make a parent of the job's burst-buffer directory")
         _check_parent(current, path)
+
+
+def _make_directory(path: Path, mode: int, action: str) -> bool:
+    """``os.mkdir(path, mode)``: True if this made it, False if it existed; anything else
+    the file system refuses (read-only, full, out of inodes) is a :class:`BBIOError`."""
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        raise from_oserror(exc, action, path, hint=FILE_SYSTEM_HINT) from None
+    return True
 
 
 def _check_parent(parent: Path, path: Path) -> None:
@@ -178,17 +247,44 @@ def _has_acl(directory: Path) -> bool:
         return False
 
 
-def prolog(config: Config, job: Job) -> Path:
+def _can_chown() -> bool:
+    """Does this process hold CAP_CHOWN (as root does, unless a capability bounding set
+    took it away)?  Where ``/proc`` cannot tell, whether it runs as root."""
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("CapEff:"):
+                return bool(int(line.split()[1], 16) >> CAP_CHOWN & 1)
+    return os.geteuid() == 0
+
+
+def _check_can_hand_over(job: Job, path: Path) -> None:
+    """Raise :class:`PermissionDeniedError` unless this process may give ``path`` to the
+    job's user: it is root with CAP_CHOWN, or the job's user itself."""
+    if os.geteuid() == job.uid or _can_chown():
+        return
+    raise PermissionDeniedError(
+        f"the prolog runs as uid {os.geteuid()} without CAP_CHOWN: it cannot give the job's "
+        f"burst-buffer directory to the job's user (uid {job.uid}); nothing was made",
+        path=path,
+        hint="run it as root, as slurmd runs slurm.conf's Prolog= (not PrologSlurmctld, "
+        "nor under a capability bounding set without CAP_CHOWN), then resume the node",
+    )
+
+
+def prolog(site: Site, job: Job) -> Path:
     """Create the job's directory, owned by the job's user, mode 0700.  Not collective.
 
     An existing one (a requeued job's) must be a directory of root or of the
     job's user; it is changed through a descriptor opened without following
-    symlinks, so that nothing swapped in meanwhile is handed to the user.
+    symlinks, so that nothing swapped in meanwhile is handed to the user.  Raises
+    a :class:`BBIOError` naming the path when this process cannot hand a directory
+    over (not root) or the file system refuses; a directory it made is then removed
+    (parents it made stay, root's, mode 0755).
     """
-    path = job_dir(job_config(config, job))
+    path = job_dir(site, job)
+    _check_can_hand_over(job, path)
     check_parents(path, make=True)
-    with contextlib.suppress(FileExistsError):
-        path.mkdir(mode=0o700)
+    made = _make_directory(path, 0o700, "make the job's burst-buffer directory")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
@@ -209,11 +305,39 @@ def prolog(config: Config, job: Job) -> Path:
                 hint="remove it, then requeue the job; keep the parent of bb_root's {job} "
                 "directory writable by root alone",
             )
-        os.fchown(fd, job.uid, job.gid)
-        os.fchmod(fd, 0o700)
+        try:
+            os.fchown(fd, job.uid, job.gid)
+            os.fchmod(fd, 0o700)
+        except OSError as exc:
+            if made:  # not left root's, for the job to find unusable
+                with contextlib.suppress(OSError):
+                    os.rmdir(path)
+            raise from_oserror(
+                exc,
+                f"give the job's burst-buffer directory to uid {job.uid}, gid {job.gid}",
+                path,
+                hint="run the prolog as root (with CAP_CHOWN); " + FILE_SYSTEM_HINT,
+            ) from None
     finally:
         os.close(fd)
     return path
+
+
+def epilog_timeout(text: str) -> float:
+    """The epilog's ``--timeout`` (``BBIO_EPILOG_TIMEOUT`` in its script) in seconds: a number
+    of at least 0, ``inf`` for no limit; else a :class:`ConfigError` saying what to set."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = math.nan
+    if not seconds >= 0:
+        raise ConfigError(
+            f"the epilog's timeout {text!r} (--timeout, from BBIO_EPILOG_TIMEOUT in "
+            "slurm-epilog.sh) is not a number of seconds of at least 0",
+            hint="set BBIO_EPILOG_TIMEOUT in the epilog script or its wrapper to e.g. 3600 "
+            "(inf: no limit), then run the epilog again and resume the node",
+        )
+    return seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,12 +351,12 @@ class Epilog:
     removed: bool
 
 
-def epilog(config: Config, job: Job, timeout: float | None) -> Epilog:
+def epilog(site: Site, job: Job, timeout: float | None) -> Epilog:
     """Drain what is queued under the job's directory on this host, as the job's user,
     then remove the directory if nothing failed.  Not collective.  Raises
-    :class:`UsageError` for a negative or NaN ``timeout``."""
+    :class:`UsageError` for a negative or NaN ``timeout`` (``inf``: no limit)."""
     timeout = seconds_argument("epilog: timeout", timeout)
-    path = job_dir(job_config(config, job))
+    path = job_dir(site, job)
     if not os.path.lexists(path):
         return Epilog(path, [], False)
     check_parents(path)
@@ -245,13 +369,24 @@ def epilog(config: Config, job: Job, timeout: float | None) -> Epilog:
 
 def _remove_tree(path: Path) -> None:
     """Remove the job's directory, never following a symlink in it, whatever its depth."""
-    try:
-        shutil.rmtree(path)
-        return
-    except OSError as exc:
+
+    def refused(function, failed_path: str, exc: OSError) -> None:
         raise from_oserror(
-            exc, "remove the job's burst-buffer directory", exc.filename or path
+            exc,
+            "remove the job's burst-buffer directory",
+            failed_path,
+            hint="remove it by hand (or fix its file system and run the epilog again), "
+            "then resume the node",
         ) from None
+
+    try:
+        if sys.version_info >= (3, 12):
+            shutil.rmtree(path, onexc=refused)
+        else:  # the full path of what failed comes only through onerror (its exc_info)
+            shutil.rmtree(
+                path, onerror=lambda function, failed, info: refused(function, failed, info[1])
+            )
+        return
     except RecursionError:  # deeper than Python's stack: rm walks it without recursing
         pass
     removing = subprocess.run(
@@ -295,7 +430,8 @@ def _finish_as(job: Job, journals: list[Path], timeout: float | None) -> list[st
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
-            for receiving in multiprocessing.connection.wait(list(running), left):
+            waiting_for = None if left is None else min(left, WAIT_SLICE_SECONDS)
+            for receiving in multiprocessing.connection.wait(list(running), waiting_for):
                 journal, child = running.pop(receiving)
                 ended.append(child)
                 try:

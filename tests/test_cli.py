@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from bbio import __version__
 from tests.conftest import run_mpi, run_python
@@ -72,3 +77,55 @@ def test_a_size_too_large_for_a_number_is_a_usage_error(tmp_path):
     result = run_python("-m", "bbio", "pack", str(tmp_path), "out", "--shard-size", "1e400")
     assert result.returncode != 0
     assert "not a size: '1e400'" in result.stderr and "Traceback" not in result.stderr
+
+
+NO_DAC_OVERRIDE = "-dac_override,-dac_read_search"  # root then obeys the mode bits
+
+
+def can_run_without_dac_override() -> bool:
+    """Can this process run a program as root without overriding file permissions?"""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        return False
+    drop = [f"--bounding-set={NO_DAC_OVERRIDE}", f"--inh-caps={NO_DAC_OVERRIDE}"]
+    return subprocess.run(["setpriv", *drop, "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(
+    not can_run_without_dac_override(), reason="needs root and setpriv to drop CAP_DAC_OVERRIDE"
+)
+@pytest.mark.parametrize("command", [["ls"], ["drain", "--finish"]])
+def test_an_unreadable_directory_is_a_one_line_error_naming_it(tmp_path, command):
+    """Before, a traceback (PermissionError from listing the directory)."""
+    unreadable = tmp_path / "bb" / "ckpt"
+    (unreadable / "run").mkdir(parents=True)
+    (tmp_path / "pfs").mkdir()
+    unreadable.chmod(0)
+    roots = ["--bb-root", str(tmp_path / "bb")]
+    roots += ["--pfs-root", str(tmp_path / "pfs")] if command == ["ls"] else []
+    drop = ["setpriv", f"--bounding-set={NO_DAC_OVERRIDE}", f"--inh-caps={NO_DAC_OVERRIDE}"]
+    result = subprocess.run(
+        [*drop, sys.executable, "-m", "bbio", "ckpt", *command, *roots],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"bbio: error: cannot finish bbio ckpt {command[0]}: Permission denied [{unreadable}]. "
+        "Check that path (its permissions for this user, its file system), then run the "
+        "command again"
+    ]
+
+
+def test_a_bug_s_traceback_is_not_hidden():
+    """Only an OSError becomes a one-line error: any other exception keeps its traceback."""
+    code = (
+        "from bbio import cli, slurm\n"
+        "def broken(*args):\n"
+        "    raise KeyError('a bug')\n"
+        "slurm.Job.from_env = broken\n"
+        "raise SystemExit(cli.main())"
+    )
+    result = run_python("-c", code, "slurm", "prolog")
+    assert result.returncode == 1 and "Traceback" in result.stderr
+    assert "KeyError: 'a bug'" in result.stderr

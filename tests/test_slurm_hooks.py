@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import pwd
+import shutil
 import struct
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -15,7 +19,7 @@ import pytest
 from bbio import slurm
 from bbio.checkpoint import drain, layout
 from bbio.config import Config
-from bbio.errors import ConfigError
+from bbio.errors import ConfigError, IOFailure, PermissionDeniedError
 from tests.conftest import run_python
 from tests.test_ckpt_drain import two_node_save
 
@@ -40,14 +44,18 @@ def site():
         subprocess.run(["rm", "-rf", "--", str(base)], check=True)  # trees of any depth
 
 
-def hook_env(site: Path) -> dict:
+def hook_env(site: Path, bb_root: str | None = None) -> dict:
+    """A hook's environment under slurmd, with the site file ``site``/bbio.toml: its
+    ``bb_root`` (default ``site``/local/{user}/bbio-{job}/{node}) is what the hooks use."""
+    site_file = site / "bbio.toml"
+    bb_root = bb_root or str(site / "local" / "{user}" / "bbio-{job}" / "{node}")
+    site_file.write_text(f'bb_root = "{bb_root}"\npfs_root = "{site / "pfs"}"\n')
     return {
         "SLURM_JOB_ID": JOB.id,
         "SLURM_JOB_USER": JOB.user,
         "SLURM_JOB_UID": str(JOB.uid),
         "SLURM_JOB_GID": str(JOB.gid),
-        "BBIO_BB_ROOT": str(site / "local" / "{user}" / "bbio-{job}" / "{node}"),
-        "BBIO_PFS_ROOT": str(site / "pfs"),
+        "BBIO_CONFIG": str(site_file),
         "BBIO_JOB_ID": "not-the-slurm-job",  # the hooks use Slurm's job id regardless
     }
 
@@ -104,9 +112,9 @@ def test_hooks_outside_slurm_say_so():
 
 
 def test_the_job_directory_is_bb_root_up_to_the_job_and_journals_are_found_below(tmp_path):
-    config = slurm.job_config(Config(bb_root=str(tmp_path / "{job}" / "n{node}")), JOB)
+    site = slurm.Site(Config(bb_root=str(tmp_path / "{job}" / "n{node}")))
     job_dir = tmp_path / "4242"
-    assert slurm.job_dir(config) == job_dir
+    assert slurm.job_dir(site, JOB) == job_dir
     for where in ("n0", "n3", "n3/own-root"):  # own-root: a checkpointer given its bb_root
         drain.journal_dir(job_dir / where / layout.CKPT_DIR / "run").mkdir(parents=True)
     (job_dir / "n5" / layout.CKPT_DIR / "run").mkdir(parents=True)  # no journal
@@ -140,7 +148,7 @@ def test_the_prolog_hands_over_no_directory_it_did_not_make_for_the_user(site):
 )
 def test_a_bb_root_the_hooks_cannot_manage_per_job_is_refused(bb_root, says):
     with pytest.raises(ConfigError, match=says):
-        slurm.job_dir(slurm.job_config(Config(bb_root=bb_root), JOB))
+        slurm.job_dir(slurm.Site(Config(bb_root=bb_root)), JOB)
 
 
 def test_an_empty_job_user_is_refused():
@@ -225,7 +233,7 @@ def test_the_hooks_refuse_a_parent_of_the_job_directory_that_a_user_owns(site, p
     else:
         planted_path.mkdir()
     os.lchown(planted_path, JOB.uid, JOB.gid)
-    env = {**hook_env(site), "BBIO_BB_ROOT": str(shared / "bbio" / "{user}" / "{job}")}
+    env = hook_env(site, bb_root=str(shared / "bbio" / "{user}" / "{job}"))
     refused = run_python("-m", "bbio", "slurm", "prolog", env=env)
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
     assert f"{planted_path} is uid {JOB.uid}'s" in refused.stderr, refused.stderr
@@ -252,7 +260,7 @@ def test_the_hooks_refuse_a_parent_with_an_acl(site):
         os.setxattr(parent, "system.posix_acl_access", acl)
     except OSError as exc:
         pytest.skip(f"no POSIX ACLs here: {exc}")
-    env = {**hook_env(site), "BBIO_BB_ROOT": str(parent / "{job}")}
+    env = hook_env(site, bb_root=str(parent / "{job}"))
     refused = run_python("-m", "bbio", "slurm", "prolog", env=env)
     assert refused.returncode == 1 and "Traceback" not in refused.stderr, refused.stderr
     assert f"{parent} is uid 0's, mode drwxrwxr-x, with an ACL" in refused.stderr
@@ -280,3 +288,172 @@ def test_find_s_message_for_a_directory_removed_during_the_walk_is_not_a_failure
     (tmp_path / "a" / "ckpt" / "x" / drain.JOURNAL).mkdir(parents=True)
     assert slurm.journals_under(tmp_path) == [tmp_path / "a" / "ckpt" / "x" / drain.JOURNAL]
     assert slurm.journals_under(tmp_path / "gone") == []
+
+
+def one_line_error(result: subprocess.CompletedProcess) -> str:
+    """The failed hook's stderr, checked to be one line of bbio's and no traceback."""
+    assert result.returncode == 1, result.stderr[-2000:]
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("bbio: error: "), result.stderr[-2000:]
+    return lines[0]
+
+
+@as_root
+def test_an_admins_bbio_variables_do_not_move_the_job_directory(site):
+    """The epilog run by hand from a shell that exports ``BBIO_BB_ROOT`` (its admin's own):
+    before, it looked there, said "nothing to do" and left the job's directory with its
+    queued checkpoint."""
+    elsewhere = site / "elsewhere"
+    env = {
+        **hook_env(site),
+        "BBIO_BB_ROOT": str(elsewhere / "{job}"),
+        "BBIO_PFS_ROOT": str(elsewhere / "pfs"),
+    }
+    assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
+    job_dir = site / "local" / "nobody" / "bbio-4242"
+    two_node_save(job_dir, 7, 1.5, pfs_root=site / "pfs")
+    chown_tree(job_dir, JOB.uid, JOB.gid)
+    removed = run_python("-m", "bbio", "slurm", "epilog", env=env)
+    assert removed.returncode == 0, removed.stderr[-2000:]
+    assert f"{job_dir} removed" in removed.stdout
+    assert drain.read_manifest(site / "pfs" / layout.step_dirname(7))["time"] == 1.5
+    assert not elsewhere.exists()
+
+
+@as_root
+def test_an_epilog_without_a_time_limit_drains_and_removes(site):
+    """``BBIO_EPILOG_TIMEOUT=inf``: before, an OverflowError traceback (the wait for the
+    drains took the whole timeout, in milliseconds, as a C int)."""
+    env = hook_env(site)
+    assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
+    job_dir = site / "local" / "nobody" / "bbio-4242"
+    two_node_save(job_dir, 7, 1.5, pfs_root=site / "pfs")
+    chown_tree(job_dir, JOB.uid, JOB.gid)
+    removed = run_python("-m", "bbio", "slurm", "epilog", "--timeout", "inf", env=env)
+    assert removed.returncode == 0, removed.stderr[-2000:]
+    assert not job_dir.exists()
+    assert drain.read_manifest(site / "pfs" / layout.step_dirname(7))["time"] == 1.5
+
+
+@pytest.mark.parametrize("timeout", ["abc", "-1", "nan"])
+def test_a_bad_epilog_timeout_is_one_line_naming_bbio_epilog_timeout(tmp_path, timeout):
+    """Before, "abc" was a usage message of two lines, and -1 or nan did not say where the
+    value came from."""
+    result = run_python(
+        "-m", "bbio", "slurm", "epilog", "--timeout", timeout, env=hook_env(tmp_path)
+    )
+    error = one_line_error(result)
+    assert f"timeout {timeout!r}" in error and "Set BBIO_EPILOG_TIMEOUT" in error
+
+
+def test_the_hooks_read_only_the_site_file_named_by_bbio_config(tmp_path):
+    site_file = tmp_path / "site.toml"
+    site_file.write_text(f'bb_root = "{tmp_path}/{{job}}"\n')
+    env = {"BBIO_CONFIG": str(site_file), "BBIO_BB_ROOT": "/elsewhere/{job}", "BBIO_USER": "x"}
+    site = slurm.Site.load(None, env)
+    assert site.file == str(site_file)
+    assert slurm.job_dir(site, JOB) == tmp_path / "4242"
+
+
+@contextlib.contextmanager
+def tmpfs(where: Path, options: str):
+    """A small tmpfs mounted on ``where`` (root only), unmounted at the end."""
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "--lazy", str(where)], check=True)
+
+
+@as_root
+@pytest.mark.parametrize(
+    ("options", "refused", "failing"),
+    [
+        ("ro,size=1m", "Read-only file system", "nobody"),  # the first parent it makes
+        ("size=1m,nr_inodes=2", "No space left on device", "nobody/bbio-4242"),  # out of inodes
+    ],
+)
+def test_a_prolog_on_a_burst_buffer_that_refuses_says_why_in_one_line(
+    site, options, refused, failing
+):
+    """Before, a traceback (OSError from mkdir)."""
+    env = hook_env(site)
+    with tmpfs(site / "local", options):
+        error = one_line_error(run_python("-m", "bbio", "slurm", "prolog", env=env))
+        assert f"{refused} [{site / 'local' / failing}]" in error
+        assert "resume the node" in error
+        assert not (site / "local" / "nobody" / "bbio-4242").exists()
+
+
+def can_drop(capabilities: str) -> bool:
+    """Can this process run a program without ``capabilities`` (setpriv, as root)?"""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        return False
+    drop = [f"--bounding-set=-{capabilities}", f"--inh-caps=-{capabilities}"]
+    return subprocess.run(["setpriv", *drop, "true"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not can_drop("chown"), reason="needs root and setpriv to drop CAP_CHOWN")
+def test_a_prolog_without_cap_chown_says_so_and_makes_nothing(site):
+    """Before, a traceback (PermissionError from fchown), and a root-owned 0700 directory
+    left that the job could not use."""
+    drop = ["setpriv", "--bounding-set=-chown", "--inh-caps=-chown"]
+    result = subprocess.run(
+        [*drop, sys.executable, "-m", "bbio", "slurm", "prolog"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **hook_env(site)},
+        timeout=60,
+    )
+    error = one_line_error(result)
+    assert "without CAP_CHOWN" in error and "Run it as root" in error
+    assert str(site / "local" / "nobody" / "bbio-4242") in error
+    assert not (site / "local" / "nobody").exists()
+
+
+@as_root
+def test_a_directory_the_prolog_made_but_could_not_hand_over_is_removed(tmp_path, monkeypatch):
+    def failing_fchown(fd: int, uid: int, gid: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fchown", failing_fchown)
+    site = slurm.Site(Config(bb_root=str(tmp_path / "{job}")))
+    with pytest.raises(IOFailure, match=r"cannot give the job's burst-buffer directory to uid"):
+        slurm.prolog(site, JOB)
+    assert not (tmp_path / "4242").exists()
+
+
+def test_a_relative_bb_root_is_refused_naming_the_site_file(tmp_path):
+    """Before, the prolog made directories relative to its working directory, then failed
+    with a traceback."""
+    env = hook_env(tmp_path, bb_root="local/bbio/{job}")
+    error = one_line_error(run_python("-m", "bbio", "slurm", "prolog", env=env, cwd=tmp_path))
+    site_file = tmp_path / "bbio.toml"
+    assert f"local/bbio/{{job}} (from the site file {site_file}) is not an absolute" in error
+    assert list(tmp_path.iterdir()) == [site_file]
+
+
+@pytest.mark.parametrize("variable", ["SLURM_JOB_UID", "SLURM_JOB_GID"])
+@pytest.mark.parametrize("value", ["-1", "99999999999", "4294967295", "7x"])
+def test_a_job_uid_or_gid_out_of_range_is_refused_naming_the_variable(variable, value):
+    """Before, 99999999999 failed the prolog with an OverflowError traceback (and left the
+    directory), and -1 left a directory of root's that the job could not use."""
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_USER": "nobody", "SLURM_JOB_UID": "65534"}
+    with pytest.raises(ConfigError, match=rf"{variable}='{value}' is not a user or group id"):
+        slurm.Job.from_env({**env, variable: value})
+
+
+@as_root
+def test_an_epilog_that_cannot_remove_the_job_directory_names_the_full_path(tmp_path):
+    """Before, the error named the file relative to its directory (``[x]``)."""
+    (tmp_path / "local").mkdir()
+    with tmpfs(tmp_path / "local", "size=1m"):
+        job_dir = tmp_path / "local" / JOB.id
+        (job_dir / "0").mkdir(parents=True)
+        (job_dir / "0" / "x").write_text("output")
+        subprocess.run(["mount", "-o", "remount,ro", str(tmp_path / "local")], check=True)
+        site = slurm.Site(Config(bb_root=str(tmp_path / "local" / "{job}" / "{node}")))
+        with pytest.raises(PermissionDeniedError) as refused:
+            slurm.epilog(site, JOB, 10)
+        assert refused.value.path == str(job_dir / "0" / "x")
+        assert "Read-only file system" in str(refused.value)
