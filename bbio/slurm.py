@@ -38,6 +38,7 @@ from bbio.errors import ConfigError, PermissionDeniedError, from_oserror
 ENDING_GRACE_SECONDS = 60.0  # after its timeout, the epilog's drain has this long to end
 KILLED_GRACE_SECONDS = 5.0  # then it is killed, and waited for this long (not if it hangs)
 DRAINS_AT_ONCE = 8  # journals drained at once, each in a process of its own
+DRAIN_ROOM_BYTES = 16 << 20  # below this free, the epilog makes room before it drains
 WAIT_SLICE_SECONDS = 3600.0  # the epilog waits for its drains this long at most per call
 SITE_VARIABLES = ("BBIO_CONFIG",)  # the only BBIO_* variable the hooks read: the site file
 LARGEST_ID = 2**32 - 2  # uid_t and gid_t; 2**32 - 1 is (uid_t) -1, "no change" to chown
@@ -353,18 +354,56 @@ class Epilog:
 
 def epilog(site: Site, job: Job, timeout: float | None) -> Epilog:
     """Drain what is queued under the job's directory on this host, as the job's user,
-    then remove the directory if nothing failed.  Not collective.  Raises
+    then remove the directory if nothing failed.  On a burst buffer short of room
+    (:func:`_short_of_room`) for the drain's records, it first removes what it would
+    remove after draining anyway: all but the checkpoints.  Not collective.  Raises
     :class:`UsageError` for a negative or NaN ``timeout`` (``inf``: no limit)."""
     timeout = seconds_argument("epilog: timeout", timeout)
     path = job_dir(site, job)
     if not os.path.lexists(path):
         return Epilog(path, [], False)
     check_parents(path)
-    failed = _finish_as(job, journals_under(path), timeout)
+    journals = journals_under(path)
+    if journals and _short_of_room(path):
+        _remove_all_but_checkpoints(path, journals)
+    failed = _finish_as(job, journals, timeout)
     if failed:
         return Epilog(path, failed, False)
     _remove_tree(path)
     return Epilog(path, [], True)
+
+
+def _short_of_room(path: Path) -> bool:
+    """Has the file system of ``path`` less than :data:`DRAIN_ROOM_BYTES` or no inode left
+    for a drain's records and status?"""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize < DRAIN_ROOM_BYTES or (st.f_files > 0 and st.f_favail == 0)
+
+
+def _remove_all_but_checkpoints(job_root: Path, journals: list[Path]) -> None:
+    """Remove what the epilog would remove after draining anyway, now: everything under
+    ``job_root`` but the checkpointers' directories of ``journals`` (their journals and
+    burst-buffer copies) and the directories above them.  Symlinks are removed, never
+    followed."""
+    kept = {journal.parent for journal in journals}
+    above = {parent for directory in kept for parent in directory.parents}
+
+    def clear(directory: Path) -> None:
+        for entry in os.scandir(directory):
+            path = Path(entry.path)
+            if path in kept:
+                continue
+            if path in above and entry.is_dir(follow_symlinks=False):
+                clear(path)
+            elif entry.is_dir(follow_symlinks=False):
+                _remove_tree(path)
+            else:
+                try:
+                    os.unlink(path)
+                except OSError as exc:
+                    raise from_oserror(exc, "make room for the drain", path) from None
+
+    clear(job_root)
 
 
 def _remove_tree(path: Path) -> None:

@@ -457,3 +457,26 @@ def test_an_epilog_that_cannot_remove_the_job_directory_names_the_full_path(tmp_
             slurm.epilog(site, JOB, 10)
         assert refused.value.path == str(job_dir / "0" / "x")
         assert "Read-only file system" in str(refused.value)
+
+
+@as_root
+def test_an_epilog_on_a_full_burst_buffer_makes_room_then_drains(site):
+    """The job filled its burst buffer: the drain could not write its status and records
+    there, drained nothing, and every run of the epilog failed the same way."""
+    env = hook_env(site)
+    with tmpfs(site / "local", "size=8m,mode=0755"):
+        assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
+        job_dir = site / "local" / "nobody" / "bbio-4242"
+        two_node_save(job_dir, 7, 1.5, pfs_root=site / "pfs")
+        results = job_dir / "0" / "results"
+        results.mkdir()
+        (results / "link").symlink_to(site / "pfs")  # removed, not followed
+        with open(results / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+            while True:
+                filler.write(b"\0" * 65536)
+        chown_tree(job_dir, JOB.uid, JOB.gid)
+        removed = run_python("-m", "bbio", "slurm", "epilog", "--timeout", "60", env=env)
+        assert removed.returncode == 0, removed.stderr
+        assert not job_dir.exists()
+    assert drain.read_manifest(site / "pfs" / layout.step_dirname(7))["time"] == 1.5
+    assert (site / "pfs").is_dir()
