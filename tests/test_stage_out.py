@@ -6,6 +6,7 @@ right to change other users' directories."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
@@ -162,17 +163,20 @@ def test_a_file_edited_on_the_pfs_since_the_last_stage_out_is_not_replaced(comm,
 @contextlib.contextmanager
 def second_round_fails(comm, bb, pfs, config, name: str) -> Iterator[None]:
     """Collective: a stage-out of ``bb`` to ``pfs`` (one file per round) that fails on
-    ``name``, a directory in its way on the PFS; the block runs before the directory is
-    removed again."""
-    if comm.Get_rank() == 0:
-        (pfs / name).mkdir()
-    comm.Barrier()
-    with pytest.raises(bbio.IsDirectoryError, match=re.escape(name)):
-        bbio.stage_out(comm, bb, pfs, config=config)
+    ``name``, whose rename into place on the PFS fails with an I/O error; then the block.
+    (A directory in its way no longer serves: stage-out refuses it before copying.)"""
+    replace = os.replace
+
+    def failing_on_name(source, target, *args, **kwargs):
+        if os.fspath(target) == os.fspath(pfs / name):
+            raise OSError(errno.EIO, "Input/output error", os.fspath(target))
+        return replace(source, target, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(os, "replace", failing_on_name)
+        with pytest.raises(bbio.IOFailure, match=re.escape(name)):
+            bbio.stage_out(comm, bb, pfs, config=config)
     yield
-    if comm.Get_rank() == 0:
-        (pfs / name).rmdir()
-    comm.Barrier()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -295,6 +299,34 @@ def test_a_pfs_file_where_the_job_has_a_directory_is_refused_before_copying(
     assert not (pfs / PENDING).exists()
     assert "unfinished" not in files.read_manifest(pfs).attrs
     assert files_under(pfs) == {"a.txt": b"a v1", "x": b"the user's file"}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_pfs_directory_where_the_job_has_a_file_or_symlink_is_refused_before_copying(
+    comm, shared_tmp, overwrite
+):
+    """Before, the stage-out copied and committed other files, then failed renaming the
+    file onto the directory, and every rerun failed the same way."""
+    config = two_nodes(comm, shared_tmp)
+    bb, pfs = shared_tmp / "bb" / "{node}" / "out", shared_tmp / "pfs" / "out"
+    write_on_every_node(comm, shared_tmp, "out", "a/big.bin", b"b" * 4096, 10**18)
+    write_on_every_node(comm, shared_tmp, "out", "a/res", b"result", 10**18)
+    node = node_leader(comm)
+    if node is not None:
+        (shared_tmp / "bb" / str(node) / "out" / "a" / "link").symlink_to("big.bin")
+    if comm.Get_rank() == 0:
+        (pfs / "a" / "res").mkdir(parents=True)  # the user's directories
+        (pfs / "a" / "link").mkdir()
+    comm.Barrier()
+    with pytest.raises(bbio.AlreadyExistsError) as refused:
+        bbio.stage_out(comm, bb, pfs, config=config, overwrite=overwrite)
+    message = str(refused.value)
+    assert same_on_all_ranks(comm, message)
+    expected = "2 file(s) or symlink(s) of the source where a directory is: a/link; a/res"
+    assert f"cannot make, in {pfs}, {expected}" in message, message
+    assert "--overwrite replaces neither" in message
+    assert sorted(os.listdir(pfs)) == ["a"] and sorted(os.listdir(pfs / "a")) == ["link", "res"]
 
 
 @pytest.mark.mpi(min_size=2)

@@ -392,3 +392,109 @@ def test_shards_beyond_99999_stay_in_sample_order():
         99999,
         100000,
     ]
+
+
+# ------------------------------------------------ mtimes kept at a coarser granularity
+
+SECOND = 1_000_000_000
+
+
+@pytest.mark.parametrize("granularity", plan.MTIME_GRANULARITIES_NS)
+@pytest.mark.parametrize("rounding", ["truncated", "rounded up"])
+def test_the_mtime_granularity_is_the_smallest_that_explains_what_was_read_back(
+    granularity, rounding
+):
+    def kept(ns: int) -> int:
+        down = ns - ns % granularity
+        return down if rounding == "truncated" or down == ns else down + granularity
+
+    assert plan.mtime_granularity((ns, kept(ns)) for ns in plan.MTIME_PROBES_NS) == granularity
+
+
+def test_an_mtime_no_granularity_explains_is_compared_exactly():
+    wrote = plan.MTIME_PROBES_NS[0]
+    assert plan.mtime_granularity([(wrote, wrote + 3 * SECOND)]) == 1  # an FS that ignores utime
+    assert plan.mtime_granularity([(wrote, wrote - wrote % 10)]) == 1  # 10 ns: none of ours
+
+
+def test_a_copy_on_whole_seconds_is_up_to_date_and_recorded_only_within_a_second():
+    source = f("a", 10, mtime=1_600_000_000_123_456_789)
+    truncated = DestState(FILE, 10, 1_600_000_000 * SECOND)
+    rounded_up = DestState(FILE, 10, 1_600_000_001 * SECOND)
+    for copy in (truncated, rounded_up):
+        assert not plan.up_to_date(source, copy)  # exact, as before: the bug on Lustre
+        assert plan.up_to_date(source, copy, SECOND)
+        assert plan.is_recorded(copy, [source], [], SECOND)
+        assert plan.is_recorded(copy, [], [source], SECOND)
+        assert not plan.is_recorded(copy, [source], [source])
+    other_second = DestState(FILE, 10, 1_599_999_999 * SECOND)
+    not_on_a_second = DestState(FILE, 10, 1_600_000_000_500_000_000)  # no copy of ours
+    resized = DestState(FILE, 11, 1_600_000_000 * SECOND)
+    for copy in (other_second, not_on_a_second, resized):
+        assert not plan.up_to_date(source, copy, SECOND)
+        assert not plan.is_recorded(copy, [source], [source], SECOND)
+    assert plan.to_copy([source], {"a": truncated}, SECOND) == []
+    assert plan.to_check([source], {"a": truncated}, SECOND) == []
+
+
+def test_stage_out_onto_whole_seconds_refuses_only_what_changed_there():
+    written = f("r.txt", 5, mtime=1_700_000_000_987_654_321)  # what the last stage-out wrote
+    source = [f("r.txt", 6, mtime=1_700_000_100_000_000_001)]  # the job's new version
+    seen = {"r.txt": DestState(FILE, 5, 1_700_000_000 * SECOND)}  # as the PFS keeps it
+    planned = plan.plan_destination(source, seen, {"r.txt": [written]}, {}, (), False, SECOND)
+    assert planned.changed == []
+    exactly = plan.plan_destination(source, seen, {"r.txt": [written]}, {}, (), False)
+    assert exactly.changed == ["r.txt"]  # before: bbio's own file was refused
+    edited = {"r.txt": DestState(FILE, 5, 1_700_000_050 * SECOND)}  # the user's since
+    planned = plan.plan_destination(source, edited, {"r.txt": [written]}, {}, (), False, SECOND)
+    assert planned.changed == ["r.txt"]
+
+
+@pytest.mark.parametrize("granularity", plan.MTIME_GRANULARITIES_NS)
+def test_a_damaged_copys_mtime_is_never_its_sources_at_the_granularity(granularity):
+    for source_mtime in (0, 1, granularity - 1, granularity, granularity + 1, -1, 10**18 + 7):
+        marker = plan.damaged_mtime(source_mtime, granularity)
+        assert marker % granularity == 0  # kept as it is
+        assert not plan.same_mtime(marker, source_mtime, granularity)
+        copy = DestState(FILE, 3, marker)
+        assert plan.is_recorded(copy, [], [f("x", 3, source_mtime)], granularity)
+        assert not plan.up_to_date(f("x", 3, source_mtime), copy, granularity)
+    assert (plan.damaged_mtime(0), plan.damaged_mtime(5)) == (1, 0)  # as before on exact ones
+
+
+@pytest.mark.parametrize("kind", [FILE, SYMLINK])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_stage_out_refuses_a_file_or_symlink_where_the_pfs_has_a_directory(kind, overwrite):
+    entry = f("a/res", 6) if kind == FILE else Entry("a/res", SYMLINK, target="big0")
+    source = [Entry("a", DIR), entry, f("a/big0", 3)]
+    seen = {"a": DestState(DIR, 0, 1), "a/res": DestState(DIR, 0, 1)}
+    planned = plan.plan_destination(source, seen, {"a/res": [entry]}, {}, (), overwrite)
+    assert planned.dirs_in_the_way == ["a/res"]
+    assert planned.changed == planned.foreign_links == planned.in_the_way == []
+
+
+def test_group_by_size_bounds_the_items_of_a_group():
+    sizes = [0] * 5 + [3, 3]
+    assert plan.group_by_size(sizes, 5, lambda n: n, max_items=3) == [[0, 0, 0], [0, 0, 3], [3]]
+    assert plan.group_by_size(sizes, 5, lambda n: n) == [[0, 0, 0, 0, 0, 3], [3]]
+
+
+@pytest.mark.parametrize("nodes", [1, 31, 32, 33, 1000])
+def test_a_replicate_rounds_allgatherv_counts_fit_a_c_int(nodes):
+    """Before, pieces of 64 MiB made rounds of 64 MiB per member: the displacements of 33
+    members overflowed a C int (Open MPI 4.1 has no large-count calls)."""
+    round_bytes = plan.replicate_round_bytes(nodes, 64 << 20)
+    assert nodes * round_bytes <= plan.MPI_INT_MAX
+    assert round_bytes == (64 << 20 if nodes < 32 else plan.MPI_INT_MAX // nodes)
+    files = [f("big", nodes * (64 << 20) + 5), *(f(f"small{i}", 10) for i in range(600))]
+    pieces = plan.split_pieces(files, min(64 << 20, round_bytes))
+    parts = plan.partition(pieces, nodes * 2)
+    for column in range(2):
+        rounds = plan.replicate_rounds(pieces, nodes, 2, column, round_bytes)
+        for node in range(nodes):  # in order, all of its part
+            read = [p for members in rounds for p in members[node]]
+            assert read == parts[node * 2 + column]
+        for members in rounds:
+            counts = [sum(p.length for p in member) for member in members]
+            assert len(members) == nodes and sum(counts) <= plan.MPI_INT_MAX
+            assert all(len(member) <= plan.OPEN_FILES_AT_ONCE for member in members)

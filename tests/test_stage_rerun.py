@@ -5,6 +5,7 @@ symlink is never followed.  On 2 or 4 ranks in 2 virtual nodes."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import threading
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 import bbio
+from bbio.stage import run as stage_run
 from bbio.transfer import files
 from tests.test_stage import (
     _keep_changing,
@@ -103,6 +105,61 @@ def test_a_path_that_changed_kind_in_the_source_is_copied_anew_by_the_rerun(comm
     }
     assert os.readlink(copy / "k") == "kk"
     assert not list(copy.rglob("*bbio-part"))
+
+
+def test_a_rerun_stopped_while_it_removes_a_copy_that_changed_kind_is_finished_by_the_next(
+    comm, shared_tmp, monkeypatch
+):
+    """The copy of a directory, now a file in the source, cannot be removed whole (as when
+    the run is killed half-way).  Before, its entries had left the manifest first, and
+    every rerun refused what was left of it as the job's own files."""
+    src, config = shared_tmp / "pfs" / "kind", two_nodes(comm, shared_tmp)
+    dst = shared_tmp / "bb" / "{node}" / "kind"
+    if comm.Get_rank() == 0:
+        (src / "d").mkdir(parents=True)
+        for i in range(5):
+            (src / "d" / f"f{i}").write_bytes(b"x")
+    comm.Barrier()
+    bbio.stage_in(comm, src, dst, config=config)
+    if comm.Get_rank() == 0:
+        shutil.rmtree(src / "d")
+        (src / "d").write_bytes(b"now a file")
+    comm.Barrier()
+
+    def removing_one_then_failing(path, *args, **kwargs):
+        os.unlink(os.path.join(path, "f0"))
+        raise PermissionError(errno.EPERM, "Operation not permitted", os.path.join(path, "f1"))
+
+    with monkeypatch.context() as patched:
+        patched.setattr(stage_run.shutil, "rmtree", removing_one_then_failing)
+        with pytest.raises(bbio.PermissionDeniedError) as stopped:
+            bbio.stage_in(comm, src, dst, config=config)
+    assert same_on_all_ranks(comm, str(stopped.value))
+    comm.Barrier()
+    copy = shared_tmp / "bb" / "1" / "kind"
+    left = files.read_manifest(copy)
+    assert left.attrs["unfinished"] is True
+    assert {"d/f1", "d/f4"} <= {e.path for e in left.entries}  # still recorded as bbio's
+    bbio.stage_in(comm, src, dst, config=config, verify=True)
+    assert files_under(copy) == {"d": b"now a file"}
+
+
+def test_an_empty_source_directory_is_copied_with_filters_and_one_they_empty_is_not(
+    comm, shared_tmp
+):
+    """Before, any filter also left out the directories that were empty in the source."""
+    src, config = shared_tmp / "pfs" / "dirs", two_nodes(comm, shared_tmp)
+    if comm.Get_rank() == 0:
+        for directory in ("empty", "deep/empty", "logs", "scratch"):
+            (src / directory).mkdir(parents=True)
+        (src / "logs" / "x.tmp").write_bytes(b"t")
+        (src / "keep.txt").write_bytes(b"k")
+    comm.Barrier()
+    dst = shared_tmp / "bb" / "{node}" / "dirs"
+    bbio.stage_in(comm, src, dst, exclude=["*.tmp", "scratch"], config=config)
+    copy = shared_tmp / "bb" / "1" / "dirs"
+    made = sorted(str(p.relative_to(copy)) for p in copy.rglob("*") if ".bbio" not in p.parts)
+    assert made == ["deep", "deep/empty", "empty", "keep.txt"]
 
 
 @pytest.mark.timeout(120)

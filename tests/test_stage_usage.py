@@ -5,16 +5,19 @@ copy of the copies or advice that does not work.  On 2 or 4 ranks in 2 virtual n
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import subprocess
+import threading
 from pathlib import Path
 
+import h5py
 import pytest
 
 import bbio
 from bbio.stage import pack as pack_module
 from bbio.transfer import files
-from tests.test_stage import files_under, same_on_all_ranks, two_nodes
+from tests.test_stage import _keep_changing, files_under, same_on_all_ranks, two_nodes
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -326,6 +329,29 @@ def test_pack_into_a_full_device(comm, shared_tmp, src, monkeypatch, checked):
         assert temp_files(small) == []
 
 
+@needs_root
+def test_packing_again_onto_a_nearly_full_device_replaces_the_shards(comm, shared_tmp):
+    """Before, the capacity check counted the old shard as free, but the new one was written
+    beside it: the device filled up, and the earlier pack was gone too."""
+    src = shared_tmp / "pfs" / "big"
+    if comm.Get_rank() == 0:
+        src.mkdir(parents=True)
+        for i in range(5):
+            (src / f"f{i}").write_bytes(os.urandom(500_000))
+    comm.Barrier()
+    config = two_nodes(comm, shared_tmp)
+    with tmpfs(comm, shared_tmp / "small", "4m") as small:
+        bbio.pack(comm, src, small / "p", config=config)
+        if comm.Get_rank() == 0:
+            (src / "f0").write_bytes(os.urandom(500_000))
+        comm.Barrier()
+        again = bbio.pack(comm, src, small / "p", config=config)
+        assert (again.samples, again.shards) == (5, 1)
+        with h5py.File(small / "p" / pack_module.shard_name(0)) as shard:
+            assert bytes(shard["data"][:500_000]) == (src / "f0").read_bytes()
+        assert temp_files(small) == []
+
+
 # ------------------------------------------------------------- 7. {node} and filters
 
 
@@ -359,6 +385,32 @@ def test_a_path_that_is_not_one_is_a_usage_error_everywhere(comm, shared_tmp, sr
         with pytest.raises(bbio.UsageError) as info:
             call(comm, first, second, config=config)
         assert expected in same_everywhere(comm, info.value), info.value
+
+
+@pytest.mark.parametrize(
+    ("arguments", "expected"),
+    [
+        ({"include": "a.jpg"}, "pack: include must be a list of globs, not the string 'a.jpg'"),
+        ({"exclude": "*.tmp"}, "pack: exclude must be a list of globs, not the string '*.tmp'"),
+        ({"shard_size": "1G"}, "shard_size must be an integer, not '1G' (str)"),
+        ({"shard_size": None}, "shard_size must be an integer, not None (NoneType)"),
+        ({"shard_size": 0}, "shard_size must be at least 1, not 0"),
+    ],
+    ids=["include", "exclude", "size-str", "size-none", "size-0"],
+)
+def test_pack_arguments_it_cannot_use_are_one_usage_error_that_keeps_the_earlier_pack(
+    comm, shared_tmp, src, arguments, expected
+):
+    """Before, a string filter was matched character by character: it selected nothing and
+    replaced the earlier pack by an empty one; a shard size not an int was a raw
+    TypeError, and 0 made a shard of every file."""
+    config = two_nodes(comm, shared_tmp)
+    out = shared_tmp / "packed"
+    bbio.pack(comm, src, out, config=config)
+    with pytest.raises(bbio.UsageError) as info:
+        bbio.pack(comm, src, out, config=config, **arguments)
+    assert expected in same_everywhere(comm, info.value), info.value
+    assert [shard.samples for shard in pack_module.read_index(out)] == [6]
 
 
 def test_a_file_as_the_source_says_how_to_stage_it(comm, shared_tmp, src):
@@ -553,3 +605,45 @@ def test_verify_tells_a_file_without_a_crc_from_a_damaged_one(comm, shared_tmp, 
     assert f"destination {damaged}: 5000 bytes, CRC32C" in message, message
     assert "Rerun the transfer until it succeeds" in message, message
     assert "delete the differing destination copies" in message, message
+
+
+@pytest.mark.timeout(120)
+def test_a_changing_files_copy_that_cannot_be_removed_is_one_error_everywhere(
+    comm, shared_tmp, monkeypatch
+):
+    """After the last attempt, the copies of files that kept changing are removed.  Before,
+    a rank that could not remove one raised alone, and with --skip-unreadable the others
+    went on into the next collective: a hang."""
+    from bbio.stage import run
+
+    monkeypatch.setattr(run, "RETRY_BACKOFF_SECONDS", 0.01)
+    src, config = shared_tmp / "pfs" / "hot", two_nodes(comm, shared_tmp)
+    if comm.Get_rank() == comm.Get_size() // 2:  # node 1's leader
+        unlink = os.unlink
+
+        def refusing(path, *args, **kwargs):
+            if os.fspath(path).endswith(".hot.log.bbio-part"):
+                raise PermissionError(errno.EPERM, "Operation not permitted", os.fspath(path))
+            return unlink(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "unlink", refusing)
+    stop, writer = threading.Event(), None
+    if comm.Get_rank() == 0:
+        src.mkdir(parents=True)
+        (src / "calm.bin").write_bytes(b"calm")
+        (src / "hot.log").write_bytes(b"start")
+        writer = threading.Thread(target=_keep_changing, args=(src / "hot.log", stop, None))
+        writer.start()
+    comm.Barrier()
+    try:
+        with pytest.raises(bbio.PermissionDeniedError) as info:
+            bbio.stage_in(
+                comm, src, shared_tmp / "bb" / "{node}" / "hot", skip_unreadable=True, config=config
+            )
+    finally:
+        stop.set()
+        if writer:
+            writer.join()
+    message = same_everywhere(comm, info.value)
+    assert "node 1: cannot remove the temporary copy of a file that kept changing" in message
+    assert ".hot.log.bbio-part" in message, message

@@ -15,6 +15,7 @@ from bbio.stage import pack as pack_module
 from bbio.stage import walk as walk_module
 from bbio.stage.pack import INDEX_NAME
 from bbio.stage.walk import excluded_dir, walk
+from bbio.transfer.manifest import FILE, Entry
 from tests.test_stage import same_on_all_ranks, two_nodes
 
 OLD_MTIME_NS = 1_600_000_000_000_000_000  # older than any write the test makes
@@ -45,6 +46,21 @@ def test_excluded_dir_leaves_out_exactly_directories_a_glob_covers(directory, ex
         assert all(
             any(fnmatch.fnmatchcase(f"{directory}/{rel}", p) for p in exclude) for rel in under
         )
+
+
+def test_a_repack_needs_room_for_each_shard_beyond_the_one_it_replaces(tmp_path, monkeypatch):
+    """Shards are written in any order, each once the earlier pack's shard of its name is
+    deleted: one that grows needs its growth free even where another shrinks more (before,
+    only the total was checked, and the growing shard could fill the device)."""
+    (tmp_path / pack_module.shard_name(0)).write_bytes(b"\0" * 1000)
+    (tmp_path / pack_module.shard_name(1)).write_bytes(b"\0" * 900_000)
+    shards = [[Entry("grows", FILE, size=600_000)], [Entry("shrinks", FILE, size=1000)]]
+    growth = pack_module.shard_bytes(shards[0]) - 1000
+    monkeypatch.setattr(pack_module.files, "free_bytes", lambda path: growth - 1)
+    with pytest.raises(bbio.NoSpaceError, match=f"needs about .* [(]{growth} bytes[)]"):
+        pack_module._check_capacity(tmp_path, shards)
+    monkeypatch.setattr(pack_module.files, "free_bytes", lambda path: growth)
+    pack_module._check_capacity(tmp_path, shards)
 
 
 # --------------------------------------------------------------- MPI tests

@@ -38,7 +38,7 @@ from bbio.errors import (
     from_oserror,
 )
 from bbio.mpi import describe_error
-from bbio.stage.plan import Piece, group_by_size, partition
+from bbio.stage.plan import Piece, group_by_size, replicate_rounds
 from bbio.stage.progress import Progress
 from bbio.transfer.files import PieceResult, copy_piece, open_source, temp_name, temp_path
 from bbio.transfer.manifest import Entry
@@ -325,22 +325,17 @@ def copy_broadcast(
 ) -> Outcome:
     """Collective over the whole communicator: replicate ``pieces`` to every node.
 
-    ``pieces`` is the whole plan; it is split over ``nodes`` x ``columns.count``
-    readers.  ``wanted`` holds the paths this rank's node still needs.
+    ``pieces`` is the whole plan (pieces of at most ``round_bytes``); it is split over
+    ``nodes`` x ``columns.count`` readers, in rounds (:func:`replicate_rounds`).
+    ``wanted`` holds the paths this rank's node still needs.
     """
     from mpi4py import MPI
 
     outcome = Outcome()
     if columns.comm is None:
         return outcome
-    parts = partition(pieces, nodes * columns.count)
-    schedules = [
-        group_by_size(parts[node * columns.count + columns.index], round_bytes, lambda p: p.length)
-        for node in range(nodes)
-    ]
     failed: Exception | None = None  # this rank's error, told to its column at the next exchange
-    for k in range(max((len(s) for s in schedules), default=0)):
-        round_pieces = [s[k] if k < len(s) else [] for s in schedules]
+    for round_pieces in replicate_rounds(pieces, nodes, columns.count, columns.index, round_bytes):
         counts = [sum(p.length for p in rp) for rp in round_pieces]
         displs = [sum(counts[:i]) for i in range(len(counts))]
         crcs: list[int] = []

@@ -27,12 +27,13 @@ import numpy as np
 
 from bbio import _native
 from bbio._version import __version__
-from bbio.arguments import path_argument
+from bbio.arguments import integer_argument
 from bbio.config import Config, load_config
 from bbio.errors import DependencyError, IntegrityError, NoSpaceError, NotFoundError, from_oserror
-from bbio.mpi import agreed, deal, same_arguments, topology
+from bbio.mpi import agreed, deal, topology
 from bbio.report import format_bytes, format_table
-from bbio.stage.plan import group_by_size
+from bbio.stage.plan import OPEN_FILES_AT_ONCE, group_by_size
+from bbio.stage.run import agree_on_arguments
 from bbio.stage.walk import check_destination, check_no_node, check_outside, check_readable, walk
 from bbio.transfer import files
 from bbio.transfer.manifest import SYMLINK, Entry
@@ -214,12 +215,15 @@ def _write_shard(
 ) -> ShardInfo:
     """Write shard ``index`` under its temporary name, then commit it.  Not collective.
 
-    On failure its temporary file is removed and the error is a bbio error.
+    The shard of that name an earlier pack left is deleted first (its index is gone, so
+    it is read no more): it frees its space for the new one.  On failure the temporary
+    file is removed and the error is a bbio error.
     """
     name = shard_name(index)
     final = out / name
     temp = files.temp_path(final)
     try:
+        final.unlink(missing_ok=True)
         total, data_offset = _fill_shard(src, temp, index, first_sample, group, threads)
         file_bytes, file_crc = files.checksum_file(temp)
         with open(temp, "rb+") as handle:
@@ -250,7 +254,9 @@ def _fill_shard(
     with h5py.File(temp, "w", libver="latest") as f:
         _reserve(f, shard_bytes(group))
         data = f.create_dataset("data", shape=(total,), dtype=np.uint8)
-        slabs = group_by_size(list(range(len(group))), _SLAB, lambda i: group[i].size)
+        slabs = group_by_size(
+            list(range(len(group))), _SLAB, lambda i: group[i].size, max_items=OPEN_FILES_AT_ONCE
+        )
         for slab in slabs:
             start = int(offsets[slab[0]])
             if group[slab[0]].size > _SLAB:  # a slab of its own
@@ -294,17 +300,19 @@ def _reserve(f, nbytes: int) -> None:
 
 
 def _check_capacity(out: Path, shards: Sequence[Sequence[Entry]]) -> None:
-    """Raise :class:`NoSpaceError` unless ``out`` has room for ``shards`` (the shards of
-    an earlier pack that they replace count as free).  Not collective."""
-    needed = sum(shard_bytes(group) for group in shards)
-    replaced = 0
-    for index in range(len(shards)):
+    """Raise :class:`NoSpaceError` unless ``out`` has room for ``shards``, written in any
+    order, each after the shard of its name that an earlier pack left was deleted
+    (:func:`_write_shard`): what each needs beyond that one's bytes.  Not collective."""
+    needed = 0
+    for index, group in enumerate(shards):
+        replaced = 0
         with contextlib.suppress(OSError):
-            replaced += (out / shard_name(index)).stat().st_size
+            replaced = (out / shard_name(index)).stat().st_size
+        needed += max(0, shard_bytes(group) - replaced)
     free = files.free_bytes(out)
-    if needed - replaced > free:
+    if needed > free:
         raise NoSpaceError(
-            f"{out} needs about {format_bytes(needed - replaced)} ({needed - replaced} bytes) "
+            f"{out} needs about {format_bytes(needed)} ({needed} bytes) "
             f"for the shards, {format_bytes(free)} ({free} bytes) free",
             hint=FULL_HINT,
         )
@@ -346,28 +354,24 @@ def pack(
     ranks write different shards.  ``out/bbio-pack.json`` is written last; an
     earlier pack's index in ``out`` is removed first (while this runs, and if it
     fails, ``out`` is no pack), and its shards beyond the new ones after.
-    Every rank must pass the same arguments; ``out`` (one directory, no
-    ``{node}``) must not lie inside ``src`` and needs room for the shards,
-    which is checked first: else every rank raises the same error, as it does
-    when a file changed since the walk (:func:`_read_files`).  Only regular
-    files are packed: the summary names the paths that are not
+    Every rank must pass the same arguments (paths, lists of globs, a ``shard_size`` of
+    at least 1 byte); ``out`` (one directory, no ``{node}``) must not lie inside ``src``
+    and needs room for the shards, which is checked first: else every rank raises the
+    same error, as it does when a file changed since the walk (:func:`_read_files`).
+    Only regular files are packed: the summary names the paths that are not
     (``not_packed``, and a warning).
     """
     config = config or load_config()
-    same_arguments(
+    agree_on_arguments(
         comm,
         "pack",
-        {
-            "src": src,
-            "out": out,
-            "shard_size": shard_size,
-            "include": include,
-            "exclude": exclude,
-            "ranks_per_node": config.ranks_per_node,
-        },
+        config,
+        {"src": src, "out": out, "shard_size": shard_size, "include": include, "exclude": exclude},
+        paths=(("src", "the source"), ("out", "the output directory")),
+        settings=("ranks_per_node",),
     )
+    shard_size = integer_argument("shard_size", shard_size, 1)
     for path, what in ((src, "source"), (out, "output directory")):
-        path_argument(f"pack: the {what}", path)
         check_no_node(path, what, "pack")
     start = time.monotonic()
     src, out = config.expand(src), config.expand(out)

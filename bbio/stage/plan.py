@@ -18,6 +18,20 @@ from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry, Manifest
 # time: it makes many small files count for more than their bytes alone.
 FILE_COST_BYTES = 256 << 10
 
+# Files a reader holds open at once (pack's slabs, replicate's rounds): well below the usual
+# limit of 1024 descriptors a process may hold, whatever the files' sizes.
+OPEN_FILES_AT_ONCE = 256
+
+# The most bytes one MPI call may count or displace without MPI-4's large-count calls (a C
+# int): Open MPI 4.1 has none, and mpi4py then passes counts and displacements as ints.
+MPI_INT_MAX = 2**31 - 1
+
+# The mtime granularities a destination may keep (ns): exact, µs, ms, s (Lustre, BeeGFS,
+# ext4 with 128-byte inodes), 2 s (FAT); and the mtimes that probe it, with sub-second
+# digits at every scale, an odd and an even second (1 s and 2 s then round each apart).
+MTIME_GRANULARITIES_NS = (1, 1_000, 1_000_000, 1_000_000_000, 2_000_000_000)
+MTIME_PROBES_NS = (1_500_000_001_987_654_321, 1_500_000_002_987_654_321)
+
 # The attribute of a stage-out's pending record that the manifest written after it names
 # (as its "pending"): a record the manifest names is spent.
 PENDING_TOKEN = "token"
@@ -48,8 +62,35 @@ class DestState:
     mode: int | None = None  # permission bits of a file
 
 
-def up_to_date(src: Entry, dst: DestState | None) -> bool:
-    """True if ``dst`` already is this version of ``src`` (same kind, size, mtime, target).
+def mtime_granularity(probes: Iterable[tuple[int, int]]) -> int:
+    """The granularity (ns) at which a file system keeps mtimes, from ``probes``: pairs of
+    an mtime set on a file (:data:`MTIME_PROBES_NS`) and the one read back.  The smallest
+    of :data:`MTIME_GRANULARITIES_NS` whose truncation or rounding up explains every
+    pair; 1 (compare exactly) if none does."""
+    probes = list(probes)
+    for granularity in MTIME_GRANULARITIES_NS:
+        if all(
+            read in (wrote - wrote % granularity, -(-wrote // granularity) * granularity)
+            for wrote, read in probes
+        ):
+            return granularity
+    return 1
+
+
+def same_mtime(stored_ns: int, source_ns: int, granularity_ns: int) -> bool:
+    """Whether a destination that keeps mtimes at ``granularity_ns`` holds the mtime
+    ``source_ns`` as ``stored_ns``: equal, or (granularity above 1 ns) a multiple of the
+    granularity less than one granularity away, as truncating or rounding up leaves it."""
+    return stored_ns == source_ns or (
+        granularity_ns > 1
+        and stored_ns % granularity_ns == 0
+        and abs(stored_ns - source_ns) < granularity_ns
+    )
+
+
+def up_to_date(src: Entry, dst: DestState | None, granularity_ns: int = 1) -> bool:
+    """True if ``dst`` already is this version of ``src`` (same kind, size, mtime at the
+    destination's ``granularity_ns``, target).
 
     A committed copy carries its source's mtime, and never appears under its
     final name before it is complete, so this is enough to skip it on a rerun.
@@ -58,7 +99,9 @@ def up_to_date(src: Entry, dst: DestState | None) -> bool:
         return False
     if src.kind == SYMLINK:
         return dst.target == src.target
-    return src.kind == DIR or (dst.size == src.size and dst.mtime_ns == src.mtime_ns)
+    return src.kind == DIR or (
+        dst.size == src.size and same_mtime(dst.mtime_ns, src.mtime_ns, granularity_ns)
+    )
 
 
 def _ancestors(path: str) -> Iterator[str]:
@@ -109,18 +152,26 @@ def kind_changes(entries: Iterable[Entry], dest: Mapping[str, DestState]) -> lis
     ]
 
 
-def to_copy(entries: Iterable[Entry], dest: Mapping[str, DestState]) -> list[Entry]:
-    """The files and symlinks of ``entries`` whose destination is missing or different."""
-    return [e for e in entries if e.kind != DIR and not up_to_date(e, dest.get(e.path))]
+def to_copy(
+    entries: Iterable[Entry], dest: Mapping[str, DestState], granularity_ns: int = 1
+) -> list[Entry]:
+    """The files and symlinks of ``entries`` whose destination (keeping mtimes at
+    ``granularity_ns``) is missing or different."""
+    return [
+        e for e in entries if e.kind != DIR and not up_to_date(e, dest.get(e.path), granularity_ns)
+    ]
 
 
 def to_chmod(
-    entries: Iterable[Entry], dest: Mapping[str, DestState], recorded: Mapping[str, int]
+    entries: Iterable[Entry],
+    dest: Mapping[str, DestState],
+    recorded: Mapping[str, int],
+    granularity_ns: int = 1,
 ) -> list[Entry]:
-    """The files of ``entries`` up to date in ``dest`` but for their permission bits,
-    whose source was chmod-ed since the copy (its mode differs from the one ``recorded``
-    in the copy's manifest): given the source's mode, not copied again.  A copy whose
-    mode only the destination's owner changed keeps it."""
+    """The files of ``entries`` up to date in ``dest`` (at ``granularity_ns``) but for their
+    permission bits, whose source was chmod-ed since the copy (its mode differs from the
+    one ``recorded`` in the copy's manifest): given the source's mode, not copied again.
+    A copy whose mode only the destination's owner changed keeps it."""
 
     def source_changed(e: Entry, now: DestState | None) -> bool:
         mode = e.mode & PERMISSION_BITS
@@ -132,7 +183,7 @@ def to_chmod(
         e
         for e in entries
         if e.kind == FILE
-        and up_to_date(e, dest.get(e.path))
+        and up_to_date(e, dest.get(e.path), granularity_ns)
         and source_changed(e, dest.get(e.path))
     ]
 
@@ -173,17 +224,21 @@ def partition(pieces: Sequence[Piece], parts: int) -> list[list[Piece]]:
     return result
 
 
-def group_by_size(items: Sequence[T], limit: int, size: Callable[[T], int]) -> list[list[T]]:
-    """Group ``items``, in order, into runs of at most ``limit`` total size.
+def group_by_size(
+    items: Sequence[T], limit: int, size: Callable[[T], int], max_items: int | None = None
+) -> list[list[T]]:
+    """Group ``items``, in order, into runs of at most ``limit`` total size (and at most
+    ``max_items`` items, if given).
 
     An item larger than ``limit`` forms a group of its own; no group is empty.
-    Used for replicate rounds (pieces) and for pack shards (files).
+    Used for replicate rounds (pieces), pack shards and pack slabs (files).
     """
     groups: list[list[T]] = []
     current: list[T] = []
     used = 0
     for item in items:
-        if current and used + size(item) > limit:
+        full = max_items is not None and len(current) >= max_items
+        if current and (full or used + size(item) > limit):
             groups.append(current)
             current, used = [], 0
         current.append(item)
@@ -191,6 +246,35 @@ def group_by_size(items: Sequence[T], limit: int, size: Callable[[T], int]) -> l
     if current:
         groups.append(current)
     return groups
+
+
+def replicate_round_bytes(nodes: int, round_bytes: int) -> int:
+    """The bytes a column member reads per replicate round, and the size of the pieces
+    it reads: ``round_bytes``, or less when ``nodes`` times that would exceed
+    :data:`MPI_INT_MAX`, so that every count and displacement of the round's
+    ``Allgatherv`` (one member per node) fits in a C int."""
+    return max(1, min(round_bytes, MPI_INT_MAX // nodes))
+
+
+def replicate_rounds(
+    pieces: Sequence[Piece], nodes: int, columns: int, column: int, round_bytes: int
+) -> list[list[list[Piece]]]:
+    """Replicate mode: what each member (node) of ``column`` reads in each round, as
+    ``rounds[k][node]`` (maybe empty).  ``pieces`` (at most ``round_bytes`` each, of
+    :func:`replicate_round_bytes`) are split over ``nodes`` x ``columns`` readers; a
+    member's round holds at most ``round_bytes`` and :data:`OPEN_FILES_AT_ONCE` pieces."""
+    parts = partition(pieces, nodes * columns)
+    schedules = [
+        group_by_size(
+            parts[node * columns + column],
+            round_bytes,
+            lambda p: p.length,
+            max_items=OPEN_FILES_AT_ONCE,
+        )
+        for node in range(nodes)
+    ]
+    count = max((len(s) for s in schedules), default=0)
+    return [[s[k] if k < len(s) else [] for s in schedules] for k in range(count)]
 
 
 def commit_rounds(sizes: Mapping[str, int], round_bytes: int) -> list[list[str]]:
@@ -285,39 +369,60 @@ def differing_copies(
     ]
 
 
-def damaged_mtime(mtime_ns: int) -> int:
-    """The mtime stage-out's verify gives a damaged copy of a file of mtime ``mtime_ns``:
-    one its source does not have, so that a rerun copies it again."""
-    return 1 if mtime_ns == 0 else 0
+def damaged_mtime(mtime_ns: int, granularity_ns: int = 1) -> int:
+    """The mtime stage-out's verify gives a damaged copy of a file of mtime ``mtime_ns``,
+    on a destination that keeps mtimes at ``granularity_ns``: the first of 0, one and two
+    granularities that it keeps as it is and that is not the source's there
+    (:func:`same_mtime`), so that a rerun copies it again."""
+    return next(
+        marker
+        for marker in (0, granularity_ns, 2 * granularity_ns)
+        if not same_mtime(marker, mtime_ns, granularity_ns)
+    )
 
 
-def is_recorded(now: DestState, read: Iterable[Entry], written: Iterable[Entry]) -> bool:
+def is_recorded(
+    now: DestState, read: Iterable[Entry], written: Iterable[Entry], granularity_ns: int = 1
+) -> bool:
     """True if the destination's ``now`` is one of the versions bbio ``read`` or ``written``
-    at its path (kind, size and mtime, or target), or the copy of a file stage-out
-    ``written`` that its verify marked damaged (same size, :func:`damaged_mtime`)."""
+    at its path (kind, size and mtime at the destination's ``granularity_ns``, or target),
+    or the copy of a file stage-out ``written`` that its verify marked damaged (same
+    size, :func:`damaged_mtime`)."""
     written = list(written)
     for v in (*read, *written):
         if v.kind != now.kind:
             continue
         if v.kind == SYMLINK and v.target == now.target:
             return True
-        if v.kind == FILE and (now.size, now.mtime_ns) == (v.size, v.mtime_ns):
+        if (
+            v.kind == FILE
+            and now.size == v.size
+            and same_mtime(now.mtime_ns, v.mtime_ns, granularity_ns)
+        ):
             return True
     return now.kind == FILE and any(
-        v.kind == FILE and (now.size, now.mtime_ns) == (v.size, damaged_mtime(v.mtime_ns))
+        v.kind == FILE
+        and (now.size, now.mtime_ns) == (v.size, damaged_mtime(v.mtime_ns, granularity_ns))
         for v in written
     )
 
 
-def to_check(entries: Iterable[Entry], seen: Mapping[str, DestState]) -> list[str]:
+def to_check(
+    entries: Iterable[Entry], seen: Mapping[str, DestState], granularity_ns: int = 1
+) -> list[str]:
     """Stage-out: the paths of ``entries`` whose destination (``seen``, also through
-    symlinks) :func:`plan_destination` compares with what bbio recorded: files and symlinks
-    it holds in another version, and symlinks where the source has a directory."""
+    symlinks; keeping mtimes at ``granularity_ns``) :func:`plan_destination` compares with
+    what bbio recorded: files and symlinks it holds in another version, and symlinks
+    where the source has a directory."""
     return [
         e.path
         for e in entries
         if e.path in seen
-        and (seen[e.path].kind == SYMLINK if e.kind == DIR else not up_to_date(e, seen[e.path]))
+        and (
+            seen[e.path].kind == SYMLINK
+            if e.kind == DIR
+            else not up_to_date(e, seen[e.path], granularity_ns)
+        )
     ]
 
 
@@ -331,6 +436,7 @@ class Destination:
     changed: list[str]  # files and symlinks changed since bbio wrote or read them: refused
     foreign_links: list[str]  # the user's other symlinks copying would replace: refused
     in_the_way: list[str]  # directories to make where a file is: refused, even with overwrite
+    dirs_in_the_way: list[str]  # files and symlinks to write where a directory is: refused too
 
 
 def plan_destination(
@@ -340,9 +446,10 @@ def plan_destination(
     read: Mapping[str, Sequence[Entry]],
     outward: Collection[str],
     overwrite: bool,
+    granularity_ns: int = 1,
 ) -> Destination:
     """Stage-out: what copying ``entries`` may do to the destination ``seen`` (its lstat,
-    also through symlinks).
+    also through symlinks), which keeps mtimes at ``granularity_ns``.
 
     ``written`` holds the versions stage-out last wrote at each path (the destination's
     manifest and pending record), ``read`` those the stage-in of the copy read there;
@@ -353,11 +460,13 @@ def plan_destination(
     destination holds a version other than those recorded for it is refused
     (``changed``); one with no record is replaced, as ``cp`` does, unless it is a
     symlink (``foreign_links``).  With ``overwrite`` none of them is refused: all are
-    replaced.  A file where the source has a directory is refused (``in_the_way``).
+    replaced.  A file where the source has a directory is refused (``in_the_way``), and
+    so is a directory where it has a file or a symlink (``dirs_in_the_way``): neither
+    is replaced, even with ``overwrite``.
     """
 
     def recorded(path: str, now: DestState) -> bool:
-        return is_recorded(now, read.get(path, ()), written.get(path, ()))
+        return is_recorded(now, read.get(path, ()), written.get(path, ()), granularity_ns)
 
     followed: set[str] = set()
     replaced: set[str] = set()
@@ -382,8 +491,12 @@ def plan_destination(
             foreign.append(f"{path} -> {now.target}")
     current = not_through_symlinks(seen, followed)
     changed: list[str] = []
-    for e in to_copy(entries, current):
+    dirs_in_the_way: list[str] = []
+    for e in to_copy(entries, current, granularity_ns):
         now = current.get(e.path)
+        if now is not None and now.kind == DIR:
+            dirs_in_the_way.append(e.path)
+            continue
         if overwrite or now is None:
             continue
         if e.path in written or e.path in read:
@@ -397,7 +510,13 @@ def plan_destination(
         if e.kind == DIR and e.path in current and current[e.path].kind == FILE
     ]
     return Destination(
-        current, frozenset(followed), frozenset(replaced), changed, sorted(foreign), in_the_way
+        current,
+        frozenset(followed),
+        frozenset(replaced),
+        changed,
+        sorted(foreign),
+        in_the_way,
+        dirs_in_the_way,
     )
 
 

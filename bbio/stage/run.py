@@ -63,6 +63,8 @@ from bbio.transfer.manifest import DIR, FILE, META_DIR, SYMLINK, Entry, Manifest
 log = logging.getLogger("bbio")
 
 MODES = ("replicate", "shard")
+# The settings every rank must share: they shape the plans
+PLAN_SETTINGS = ("ranks_per_node", "chunk_size", "stage_round_bytes", "replicate_round_bytes")
 MAX_ATTEMPTS = 3
 RETRY_BACKOFF_SECONDS = 1.0  # times the attempt number: gives a writer time to finish
 PENDING = "stage-out-pending"  # DST/.bbio/stage-out-pending.json: what a stage-out began writing
@@ -155,6 +157,36 @@ def dest_state(comm, root: Path, paths: Sequence[str]) -> dict[str, plan.DestSta
     return merged
 
 
+def probe_mtime_granularity(root: Path, node: int | None = None) -> int:
+    """Not collective: the granularity (ns) at which the file system of the destination
+    ``root`` keeps mtimes (:func:`plan.mtime_granularity`), probed on a temporary file in
+    ``root/.bbio``, or else in ``root``, whose mtime is set and read back.  1 (compare
+    exactly) when ``root`` does not exist yet: nothing there is compared.  Raises the
+    bbio error of a failed probe, naming ``node``."""
+    where = root / META_DIR if os.path.isdir(root / META_DIR) else root
+    if not os.path.isdir(where):
+        return 1
+    probe = files.unique_temp_path(where / "mtime-probe")
+    read_back = []
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        try:
+            for mtime_ns in plan.MTIME_PROBES_NS:
+                os.utime(probe, ns=(mtime_ns, mtime_ns))
+                read_back.append((mtime_ns, os.stat(probe).st_mtime_ns))
+        finally:
+            probe.unlink()
+    except OSError as exc:
+        raise from_oserror(
+            exc,
+            "set and read back the mtime of a probe file",
+            probe,
+            node=node,
+            hint="choose a destination you may write to, or fix its permissions",
+        ) from None
+    return plan.mtime_granularity(read_back)
+
+
 def _check_capacity(root: Path, needed: int, node: int | None, hint: str) -> None:
     """Raise :class:`NoSpaceError` unless the file system of ``root`` has ``needed`` bytes
     free.  Not collective."""
@@ -223,6 +255,24 @@ def _remove_temps(root: Path, paths: Iterable[str]) -> None:
             continue  # the next run removes it (remove_leftovers)
 
 
+def _remove_changing_copies(root: Path, paths: Iterable[str], node: int) -> None:
+    """Delete the temporary files of ``paths`` under ``root``, files that kept changing
+    while copied; raise the bbio error of one that cannot be deleted, naming it and
+    ``node``.  Not collective."""
+    for path in paths:
+        temp = files.temp_path(root / path)
+        try:
+            temp.unlink(missing_ok=True)
+        except OSError as exc:
+            raise from_oserror(
+                exc,
+                "remove the temporary copy of a file that kept changing",
+                temp,
+                node=node,
+                hint="remove it by hand (a rerun removes it too)",
+            ) from None
+
+
 def _make_dirs(root: Path, dirs: Iterable[Entry], node: int | None) -> None:
     """Create ``root`` and ``dirs`` under it, parents first.  A symlink among ``dirs`` (a
     copy of what the source held before) is replaced, never followed: files copied
@@ -243,21 +293,27 @@ def _make_dirs(root: Path, dirs: Iterable[Entry], node: int | None) -> None:
             ) from None
 
 
-def _make_way(root: Path, paths: Sequence[str], old: Manifest | None, node: int) -> None:
+def _make_way(
+    root: Path, paths: Sequence[str], old: Manifest | None, node: int, granularity_ns: int
+) -> None:
     """Stage-in: delete what ``root`` holds at ``paths`` (:func:`plan.kind_changes`: a file
     where the source now has a directory, a directory where it has a file or a symlink),
     when all of it is bbio's earlier copy as the previous manifest ``old`` records it (for
     a directory, everything in it: its own entry may be withdrawn already, by a run that
-    failed).  Else raise :class:`AlreadyExistsError` naming the paths, before anything is
-    deleted or copied.  What is deleted leaves the manifest of ``root`` first.  Not
-    collective."""
+    failed), at the mtime ``granularity_ns`` of ``root``.  Else raise
+    :class:`AlreadyExistsError` naming the paths, before anything is deleted or copied.
+    The manifest of ``root`` is marked unfinished first, and what is deleted leaves it
+    after: a run stopped half-way leaves what it did not delete recorded, for the rerun
+    to delete.  Not collective."""
     recorded = {} if old is None else old.by_path()
     removable: list[tuple[Path, list[str]]] = []
     blocked = []
     for path in paths:
         full = root / path
         inside = _paths_below(root, full) if files.is_real_dir(full) else [path]
-        if inside is not None and all(_is_recorded_copy(root, p, recorded.get(p)) for p in inside):
+        if inside is not None and all(
+            _is_recorded_copy(root, p, recorded.get(p), granularity_ns) for p in inside
+        ):
             removable.append((full, [path, *inside]))
         else:
             blocked.append(path)
@@ -273,8 +329,8 @@ def _make_way(root: Path, paths: Sequence[str], old: Manifest | None, node: int)
     if not removable:
         return
     current = files.read_manifest(root)
-    if current is not None:
-        files.withdraw_entries(root, current, [p for _, gone in removable for p in gone])
+    if current is not None and not current.attrs.get("unfinished"):
+        files.withdraw_entries(root, current, [])
     for full, _ in removable:
         try:
             if files.is_real_dir(full):
@@ -287,6 +343,8 @@ def _make_way(root: Path, paths: Sequence[str], old: Manifest | None, node: int)
                 full.unlink()
         except OSError as exc:
             raise from_oserror(exc, "remove an earlier copy", full, node=node) from None
+    if current is not None:
+        files.withdraw_entries(root, current, [p for _, gone in removable for p in gone])
 
 
 def _paths_below(root: Path, directory: Path) -> list[str] | None:
@@ -300,10 +358,10 @@ def _paths_below(root: Path, directory: Path) -> list[str] | None:
     return None if unlisted else found
 
 
-def _is_recorded_copy(root: Path, path: str, entry: Entry | None) -> bool:
+def _is_recorded_copy(root: Path, path: str, entry: Entry | None, granularity_ns: int) -> bool:
     """Whether ``root/path`` is the version of it the previous manifest's ``entry`` records
-    (a directory, a file of its size and mtime, a symlink to its target).  Not
-    collective."""
+    (a directory, a file of its size and mtime at ``granularity_ns``, a symlink to its
+    target).  Not collective."""
     if entry is None:
         return False
     now = _state_of(root / path)
@@ -311,7 +369,7 @@ def _is_recorded_copy(root: Path, path: str, entry: Entry | None) -> bool:
         return True  # gone meanwhile: nothing to keep
     if DIR in (entry.kind, now.kind):
         return entry.kind == now.kind
-    return plan.is_recorded(now, [entry], [])
+    return plan.is_recorded(now, [entry], [], granularity_ns)
 
 
 def _recorded_modes(manifest: Manifest | None) -> dict[str, int]:
@@ -485,7 +543,8 @@ def _copy_round(job: _Transfer, todo: list[Entry], progress: Progress) -> _Copie
             union = allgather_dict(comm, {e.path: e for e in node_files})
             everything = [union[p] for p in sorted(union)]
             entries.update(union)
-            pieces = plan.split_pieces(everything, config.chunk_size)
+            round_bytes = plan.replicate_round_bytes(topo.nodes, config.replicate_round_bytes)
+            pieces = plan.split_pieces(everything, min(config.chunk_size, round_bytes))
             columns = make_columns(
                 comm, topo.node, topo.node_comm.Get_rank(), topo.node_comm.Get_size()
             )
@@ -516,7 +575,7 @@ def _copy_round(job: _Transfer, todo: list[Entry], progress: Progress) -> _Copie
                         src_root,
                         dst_root,
                         progress,
-                        config.replicate_round_bytes,
+                        round_bytes,
                         threads,
                     )
                 else:
@@ -555,8 +614,9 @@ def _copy_round(job: _Transfer, todo: list[Entry], progress: Progress) -> _Copie
             message = f"{len(all_changed)} file(s) kept changing while being copied: " + ", ".join(
                 all_changed[:20]
             )
-            for path in changed:  # no temporary copy left to fill the device until a rerun
-                files.temp_path(dst_root / path).unlink(missing_ok=True)
+            with agreed(comm, f"{label}: removing the copies of files that kept changing"):
+                if topo.is_leader:  # no temporary copy left to fill the device until a rerun
+                    _remove_changing_copies(dst_root, sorted(changed), topo.node)
             if not job.skip_unreadable:
                 raise IntegrityError(
                     message,
@@ -604,7 +664,7 @@ def _previous_manifest(
 
 
 def _crcs_of_unchanged(
-    comm, root: Path, unchanged: Sequence[Entry], old: Manifest | None
+    comm, root: Path, unchanged: Sequence[Entry], old: Manifest | None, *, granularity_ns: int
 ) -> dict[str, int]:
     """Collective over ``comm``: CRC32C of this rank's ``unchanged`` files (skipped as up
     to date).
@@ -614,7 +674,8 @@ def _crcs_of_unchanged(
     once over ``comm``'s ranks, whichever nodes need it: stage-in reads the
     source, so that ``--verify`` then checks the copy against it, not against
     itself.  A file that no longer has the size and mtime it had when the walk
-    saw it, or is gone, gets no CRC32C (it is copied again by the next run).
+    saw it (at ``root``'s mtime ``granularity_ns``: a stage-out reads the copies),
+    or is gone, gets no CRC32C (it is copied again by the next run).
     """
     known = old.by_path() if old else {}
     crcs, unknown = {}, set()
@@ -636,7 +697,7 @@ def _crcs_of_unchanged(
                 st = os.stat(root / path)
             except (FileNotFoundError, NotADirectoryError):  # bbio's errors of those too
                 continue  # removed since the walk: no CRC32C
-            if (st.st_size, st.st_mtime_ns) == (size, mtime_ns):
+            if st.st_size == size and plan.same_mtime(st.st_mtime_ns, mtime_ns, granularity_ns):
                 found[path] = crc
         return found
 
@@ -669,6 +730,7 @@ def _verify_copies(
     entries: dict[str, Entry],
     node: int | None,
     delete: bool,
+    granularity_ns: int = 1,
 ) -> None:
     """Collective over ``comm``: re-read the files of ``crcs`` from the device and compare
     with ``entries`` (as committed).
@@ -677,8 +739,9 @@ def _verify_copies(
     source's size and mtime: with ``delete`` (burst-buffer copies, which the
     reader would otherwise still serve) it is deleted, and withdrawn from the
     manifest ``root`` has (by ``comm``'s first rank), else (a stage-out's
-    destination, the user's results) its mtime is set to 0 and its bytes kept.
-    The source is never touched.
+    destination, the user's results) its mtime is set to 0 (:func:`plan.damaged_mtime`
+    at the destination's ``granularity_ns``) and its bytes kept.  The source is
+    never touched.
     """
 
     def check() -> list[tuple[str, str]]:
@@ -690,7 +753,7 @@ def _verify_copies(
                     if delete:
                         (root / path).unlink()
                     else:  # an mtime no source has now, so that the rerun sees it differ
-                        stale = plan.damaged_mtime(entries[path].mtime_ns)
+                        stale = plan.damaged_mtime(entries[path].mtime_ns, granularity_ns)
                         os.utime(root / path, ns=(stale, stale), follow_symlinks=False)
                 except OSError as exc:
                     raise from_oserror(exc, "mark the damaged copy", root / path) from None
@@ -718,18 +781,25 @@ def _verify_copies(
         )
 
 
-def _agree_on_arguments(comm, what: str, config: Config, arguments: dict[str, Any]) -> None:
+def agree_on_arguments(
+    comm,
+    what: str,
+    config: Config,
+    arguments: dict[str, Any],
+    paths: Sequence[tuple[str, str]] = (("src", "the source"), ("dst", "the destination")),
+    settings: Sequence[str] = PLAN_SETTINGS,
+) -> None:
     """Collective over ``comm``: the same :class:`UsageError` on every rank unless every
-    rank passed the same ``arguments`` and the settings that shape the plan, and
-    ``include``/``exclude`` (in ``arguments``) are lists of globs."""
-    plan_settings = ("ranks_per_node", "chunk_size", "stage_round_bytes", "replicate_round_bytes")
+    rank passed the same ``arguments`` and ``config`` ``settings`` (those that shape the
+    plan), the ``paths`` arguments (name, what it is) are paths, and ``include`` and
+    ``exclude`` (in ``arguments``) are lists of globs."""
     same_arguments(
         comm,
         what,
-        {**arguments, **{name: getattr(config, name) for name in plan_settings}},
+        {**arguments, **{name: getattr(config, name) for name in settings}},
     )
-    path_argument(f"{what}: the source", arguments["src"])
-    path_argument(f"{what}: the destination", arguments["dst"])
+    for name, description in paths:
+        path_argument(f"{what}: {description}", arguments[name])
     for name in ("include", "exclude"):
         if isinstance(arguments.get(name), (str, bytes)):
             raise UsageError(
@@ -767,7 +837,7 @@ def stage_in(
     ``verify`` finds damaged is deleted, so that a rerun copies it again.
     """
     config = config or load_config()
-    _agree_on_arguments(
+    agree_on_arguments(
         comm,
         "stage-in",
         config,
@@ -807,10 +877,13 @@ def stage_in(
 def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreadable, config, start):
     dst_root = config.node_dir(dst, topo.node, topo.nodes_on_host)
     bb_dir = config.node_dir(config.bb_root, topo.node, topo.nodes_on_host)  # its registry
+    granularity = 1
     with agreed(comm, "stage-in: checking the destination"):
         if topo.is_leader:
             check_outside(src, dst_root, topo.node)
             check_destination(dst_root, topo.node)
+            granularity = probe_mtime_granularity(dst_root, topo.node)
+    granularity = topo.node_comm.bcast(granularity, root=0)
     listers = config.stage_threads(topo.node_comm.Get_size())
     tree = walk(comm, src, include, exclude, listers)
     problems = check_readable(tree, skip_unreadable, str(src))
@@ -828,14 +901,14 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
         current = plan.not_through_symlinks(
             dest_state(topo.node_comm, dst_root, [e.path for e in mine])
         )
-    todo = plan.to_copy(mine, current)
+    todo = plan.to_copy(mine, current, granularity)
     old = _previous_manifest(comm, topo.node_comm, dst_root, todo, "stage-in")
-    chmod = plan.to_chmod(mine, current, _recorded_modes(old))
+    chmod = plan.to_chmod(mine, current, _recorded_modes(old), granularity)
     with agreed(comm, "stage-in: removing what an interrupted run left"):
         remove_leftovers(topo.node_comm, dst_root, [d.path for d in dirs], _parents([old]))
     with agreed(comm, "stage-in: making way where the source changed kind"):
         if topo.is_leader:
-            _make_way(dst_root, plan.kind_changes(mine, current), old, topo.node)
+            _make_way(dst_root, plan.kind_changes(mine, current), old, topo.node, granularity)
     with agreed(comm, "stage-in: checking burst-buffer space"):
         if topo.is_leader:
             _check_capacity(
@@ -864,7 +937,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     unchanged = [e for e in mine if e.kind == FILE and e.path not in todo_paths]
     node_crcs = dict(copied.crcs)
     with agreed(comm, "stage-in: checksums of files already in place"):
-        node_crcs.update(_crcs_of_unchanged(comm, src, unchanged, old))
+        node_crcs.update(_crcs_of_unchanged(comm, src, unchanged, old, granularity_ns=1))
     as_copied = {**{e.path: e for e in mine}, **copied.entries}  # this node's files
     if verify:
         with agreed(comm, "stage-in: verifying"):
@@ -974,7 +1047,7 @@ def stage_out(
     0), so that a rerun copies it again.
     """
     config = config or load_config()
-    _agree_on_arguments(
+    agree_on_arguments(
         comm,
         "stage-out",
         config,
@@ -1132,13 +1205,24 @@ def _forget_pending(root: Path) -> None:
 def _refuse_replacing(root: Path, destination: plan.Destination) -> None:
     """Raise the :class:`AlreadyExistsError` that lists what stage-out must not replace in
     ``root``, unless there is nothing.  Not collective (every rank has the same plan)."""
+    blocking = []
     if destination.in_the_way:
+        blocking.append(
+            f"{len(destination.in_the_way)} directory(ies) of the source where a file is: "
+            + "; ".join(destination.in_the_way[:20])
+        )
+    if destination.dirs_in_the_way:
+        blocking.append(
+            f"{len(destination.dirs_in_the_way)} file(s) or symlink(s) of the source where a "
+            "directory is: " + "; ".join(destination.dirs_in_the_way[:20])
+        )
+    if blocking:
         raise AlreadyExistsError(
-            f"stage-out cannot make, in {root}, {len(destination.in_the_way)} directory(ies) "
-            "of the source where a file is: " + "; ".join(destination.in_the_way[:20]),
+            f"stage-out cannot make, in {root}, " + ", and ".join(blocking),
             path=root,
-            hint="move aside or remove those files (or leave the directories out with "
-            "--exclude); --overwrite does not replace a file by a directory",
+            hint="move aside or remove what is in the way there (or leave those paths of "
+            "the source out with --exclude); --overwrite replaces neither a file by a "
+            "directory nor a directory by a file",
         )
     parts = []
     if destination.changed:
@@ -1175,12 +1259,15 @@ def _stage_out(
     start,
 ):
     src_root = config.node_dir(src, topo.node, topo.nodes_on_host)
+    granularity = 1
     with agreed(comm, "stage-out: checking the sources and the destination"):
         if topo.is_leader:
             check_source(src_root, topo.node)
             check_outside(src_root, dst_root, topo.node)
         if comm.Get_rank() == 0:
             check_destination(dst_root)
+            granularity = probe_mtime_granularity(dst_root)
+    granularity = comm.bcast(granularity, root=0)
     listers = config.stage_threads(topo.node_comm.Get_size())
     tree = None
     with agreed(comm, "stage-out: walking the source of every node"):
@@ -1198,14 +1285,15 @@ def _stage_out(
     seen = dest_state(comm, dst_root, [e.path for e in everything])
     old, pending = _read_destination_records(comm, dst_root)
     written, read = _recorded_versions(
-        comm, topo, src_root, dst_root, (old, pending), plan.to_check(everything, seen)
+        comm, topo, src_root, dst_root, (old, pending), plan.to_check(everything, seen, granularity)
     )
     links = [d.path for d in dirs if d.path in seen and seen[d.path].kind == SYMLINK]
+    outward = _leading_out(comm, dst_root, links)
     destination = plan.plan_destination(
-        everything, seen, written, read, _leading_out(comm, dst_root, links), overwrite
+        everything, seen, written, read, outward, overwrite, granularity
     )
     current = destination.current
-    todo_all = plan.to_copy(everything, current)
+    todo_all = plan.to_copy(everything, current, granularity)
     differing = _differing_copies(comm, topo, src_root, trees, {e.path for e in todo_all})
     conflicts = sorted([*conflicts, *differing], key=lambda c: c.path)
     if conflicts:
@@ -1228,7 +1316,7 @@ def _stage_out(
     )
     made_before = {e.path for e in pending.entries if e.kind == DIR} if pending else set()
     created = plan.created_dirs(dirs, destination, made_before)
-    chmod = plan.to_chmod(everything, current, _recorded_modes(old))
+    chmod = plan.to_chmod(everything, current, _recorded_modes(old), granularity)
     remove_leftovers(comm, dst_root, [], {*(d.path for d in dirs), *_parents((old, pending))})
     mine = [e for e in todo_all if chosen[e.path] == topo.node]
     token = pending.attrs.get(plan.PENDING_TOKEN) if pending is not None else None
@@ -1259,10 +1347,12 @@ def _stage_out(
     crcs = allgather_dict(comm, copied.crcs if topo.is_leader else {})
     as_copied = {**merged, **allgather_dict(comm, copied.entries if topo.is_leader else {})}
     with agreed(comm, "stage-out: checksums of files already in place"):
-        crcs.update(_crcs_of_unchanged(comm, dst_root, unchanged, old))
+        crcs.update(_crcs_of_unchanged(comm, dst_root, unchanged, old, granularity_ns=granularity))
     if verify:
         with agreed(comm, "stage-out: verifying"):
-            _verify_copies(comm, dst_root, crcs, as_copied, None, delete=False)
+            _verify_copies(
+                comm, dst_root, crcs, as_copied, None, delete=False, granularity_ns=granularity
+            )
     given_up = {s.path for s in skipped}
     with agreed(comm, "stage-out: finishing directories and writing the manifest"):
         if comm.Get_rank() == 0:

@@ -168,6 +168,7 @@ class _Listed:
     subdirs: list[str] = dataclasses.field(default_factory=list)
     skipped: list[Skipped] = dataclasses.field(default_factory=list)
     unreadable: list[Skipped] = dataclasses.field(default_factory=list)
+    empty: list[str] = dataclasses.field(default_factory=list)  # the directory, if it held nothing
 
 
 def _list_dir(root: Path, rel: str, unreadable: list[Skipped]) -> Iterator[os.DirEntry]:
@@ -187,7 +188,9 @@ def _list_dir(root: Path, rel: str, unreadable: list[Skipped]) -> Iterator[os.Di
 def _list_and_stat(root: Path, rel: str, include: Sequence[str], exclude: Sequence[str]) -> _Listed:
     """List directory ``rel`` and stat each name as soon as it is read."""
     listed = _Listed()
+    names = 0
     for item in _list_dir(root, rel, listed.unreadable):
+        names += 1
         name = f"{rel}/{item.name}" if rel else item.name
         try:
             st = os.lstat(item.path)
@@ -210,6 +213,8 @@ def _list_and_stat(root: Path, rel: str, include: Sequence[str], exclude: Sequen
                 listed.subdirs.append(name)
             elif found.kind == FILE and not readable(item.path, st):
                 listed.unreadable.append(Skipped(name, "permission denied"))
+    if names == 0 and not listed.unreadable:
+        listed.empty.append(rel)
     return listed
 
 
@@ -337,8 +342,9 @@ def walk(
     cannot list and names it cannot stat go to ``unreadable``; symlinks
     pointing outside ``root`` and special files go to ``skipped``.  Names
     the filters leave out are in neither, and directories :func:`excluded_dir`
-    leaves out are not listed.  bbio's own ``.bbio`` directory and temporary
-    files are never listed.
+    leaves out are not listed; nor are, with filters, the directories they leave
+    empty (one empty in the source stays, unless an ``exclude`` glob matches it).
+    bbio's own ``.bbio`` directory and temporary files are never listed.
     """
     rank, size = comm.Get_rank(), comm.Get_size()
     with agreed(comm, f"walking {root}"):
@@ -346,11 +352,12 @@ def walk(
     entries: list[Entry] = []
     skipped: list[Skipped] = []
     unreadable: list[Skipped] = []
+    empty: set[str] = set()  # directories that held nothing in the source
     level = [""]
     with ThreadPoolExecutor(max(1, listers), "bbio-walk") as pool:
 
-        def list_my_share() -> tuple[list[Entry], list[str]]:
-            found, subdirs = [], []
+        def list_my_share() -> tuple[list[Entry], list[str], list[str]]:
+            found, subdirs, nothing_in = [], [], []
             for listed in pool.map(
                 lambda rel: _list_and_stat(root, rel, include, exclude), level[rank::size]
             ):
@@ -358,27 +365,30 @@ def walk(
                 subdirs.extend(listed.subdirs)
                 skipped.extend(listed.skipped)
                 unreadable.extend(listed.unreadable)
-            return found, subdirs
+                nothing_in.extend(listed.empty)
+            return found, subdirs, nothing_in
 
         while level:
             parts = agreed_allgather(comm, f"walking {root}", list_my_share, quiet=True)
-            entries.extend(entry for found, _ in parts for entry in found)
-            level = sorted(rel for _, subdirs in parts for rel in subdirs)
+            entries.extend(entry for found, _, _ in parts for entry in found)
+            empty.update(rel for _, _, nothing_in in parts for rel in nothing_in)
+            level = sorted(rel for _, subdirs, _ in parts for rel in subdirs)
     skipped = sorted(_flatten(comm.allgather(skipped)), key=lambda s: s.path)
     unreadable = sorted(_flatten(comm.allgather(unreadable)), key=lambda s: s.path)
     entries = sorted_entries(entries)
     if include or exclude:
-        entries = _prune_empty_dirs(entries)
+        entries = _prune_empty_dirs(entries, {d for d in empty if selected(d, (), exclude)})
     return Tree(root, entries, skipped, unreadable)
 
 
-def _prune_empty_dirs(entries: list[Entry]) -> list[Entry]:
-    """Drop directories that hold no selected file or symlink (when filters are used)."""
+def _prune_empty_dirs(entries: list[Entry], empty: set[str]) -> list[Entry]:
+    """Drop the directories the filters left empty: those that hold no selected file or
+    symlink, nor a directory of ``empty`` (directories empty in the source: kept)."""
     needed = set()
     for e in entries:
-        if e.kind != DIR:
+        if e.kind != DIR or e.path in empty:
             parent = os.path.dirname(e.path)
             while parent and parent not in needed:
                 needed.add(parent)
                 parent = os.path.dirname(parent)
-    return [e for e in entries if e.kind != DIR or e.path in needed]
+    return [e for e in entries if e.kind != DIR or e.path in needed or e.path in empty]
