@@ -521,3 +521,23 @@ def test_packing_again_withdraws_the_old_index_first(comm, shared_tmp):
 
 def test_module_level_api_matches_stage_run():
     assert bbio.stage_in is stage_run.stage_in and bbio.stage_out is stage_run.stage_out
+
+
+def test_a_registry_that_cannot_be_written_fails_no_stage_in(comm, shared_tmp, tree, caplog):
+    """A stage-in to a destination of its own, with bb_root where the job cannot write:
+    before, it copied everything and then failed writing the registry of staged copies."""
+    src, contents = tree
+    unwritable = shared_tmp / "not-a-directory"
+    if comm.Get_rank() == 0:
+        unwritable.write_bytes(b"")
+    comm.Barrier()
+    config = Config(
+        bb_root=str(unwritable / "{node}"), ranks_per_node=comm.Get_size() // 2, progress="never"
+    )
+    dst = shared_tmp / "dst" / "{node}"
+    with caplog.at_level("WARNING", logger="bbio"):
+        bbio.stage_in(comm, src, dst, config=config)
+    node = comm.Get_rank() // (comm.Get_size() // 2)
+    assert files_under(shared_tmp / "dst" / str(node)) == contents
+    if comm.Get_rank() % (comm.Get_size() // 2) == 0:  # a node's leader writes its registry
+        assert "could not be written" in caplog.text and str(unwritable) in caplog.text

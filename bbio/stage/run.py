@@ -187,6 +187,29 @@ def probe_mtime_granularity(root: Path, node: int | None = None) -> int:
     return plan.mtime_granularity(read_back)
 
 
+def _record_staged(bb_dir: Path, src: Path, dst_root: Path, node: int) -> None:
+    """Record in ``bb_dir``'s registry that ``src`` is staged at ``dst_root``, for readers
+    that open ``src``.  A registry that cannot be written (``bb_root`` elsewhere, not
+    writable) fails nothing: the copy is whole, and readers read ``src`` from the PFS
+    until a stage-in records it; a warning says so.  Not collective."""
+    try:
+        registry.record(bb_dir, src, dst_root)
+    except OSError as exc:
+        log.warning(
+            "stage-in: node %d: %s is staged at %s, but the registry %s, which tells "
+            "open_dataset to read the staged copy, could not be written (%s): a reader that "
+            "opens %s reads the PFS; open %s instead, or set bb_root to a directory this "
+            "job can write",
+            node,
+            src,
+            dst_root,
+            registry.registry_path(bb_dir),
+            exc,
+            src,
+            dst_root,
+        )
+
+
 def _check_capacity(root: Path, needed: int, node: int | None, hint: str) -> None:
     """Raise :class:`NoSpaceError` unless the file system of ``root`` has ``needed`` bytes
     free.  Not collective."""
@@ -975,7 +998,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
                     },
                 ),
             )
-            registry.record(bb_dir, src, dst_root)
+            _record_staged(bb_dir, src, dst_root, topo.node)
     seconds = comm.allreduce(time.monotonic() - start, op=_max())
     totals = sum_over_ranks(
         comm,
