@@ -138,7 +138,7 @@ def test_reads_bypassing_the_page_cache_give_the_same_bytes(comm, datasets, mode
         ids = my_ids(comm, seed=5)
         got = ds.read(ids)
         assert [g.tobytes() for g in got] == [expected_variable(i, sizes) for i in ids]
-        direct = comm.allreduce(sum(fd is not None for fd in ds._direct_fds.values()))
+        direct = comm.allreduce(sum(aligned for _, aligned in ds._descriptors.held.values()))
         probe = _native.open_direct(ds._path(0), os.O_RDONLY)  # None: the fs refuses O_DIRECT
         if probe is not None:
             os.close(probe)

@@ -8,6 +8,7 @@ import pytest
 from bbio.read import sampler
 from bbio.read.plan import (
     Extents,
+    FixedExtents,
     Holders,
     aggregation_pays,
     make_plan,
@@ -124,6 +125,33 @@ def test_neighbours_merge_up_to_the_hole_size_and_each_byte_is_read_once():
     # by default a hole is merged only up to 10% of its neighbours' mean length
     thrifty = plan_for(requests, extents, files, rank_node=[0, 0, 0], aggregators=[0], max_hole=200)
     assert thrifty.requests_issued == 3 and thrifty.bytes_read == 600
+
+
+def test_computed_extents_plan_exactly_as_their_table():
+    """A fixed-size layout's extents are computed from the id, in a few bytes: the same
+    places, the same decisions and the same plan as the table (20 bytes per sample)."""
+    files = fake_files([10_008])
+    table = Extents(
+        np.zeros(100, np.int32), 8 + np.arange(100, dtype=np.int64) * 100, np.full(100, 100)
+    )
+    computed = FixedExtents(count=100, base=8, record=100)
+    ids = np.array([99, 0, 41, 41, 7])
+    assert len(computed) == len(table) == 100 and computed.min_length() == table.min_length()
+    assert all(
+        np.array_equal(a, b) for a, b in zip(computed.take(ids), table.take(ids), strict=True)
+    )
+    requests = [[0, 1, 2], [5, 50], [99, 3]]
+    plans = [
+        plan_for(requests, extents, files, rank_node=[0, 0, 1], aggregators=[0, 2])
+        for extents in (table, computed)
+    ]
+    assert plans[0].requests_issued == plans[1].requests_issued
+    assert all(
+        np.array_equal(getattr(plans[0], f), getattr(plans[1], f))
+        for f in ("read_file", "read_offset", "read_length", "read_buf", "req_buf")
+    )
+    holders = Holders.none(2, 1)
+    assert reads_alone(computed, holders, 100) and not reads_alone(computed, holders, 101)
 
 
 @pytest.mark.parametrize("sample", [250, 2500, 114_660])

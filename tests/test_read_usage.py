@@ -8,12 +8,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 
 import bbio
+from bbio.stage import registry
+from bbio.transfer.files import manifest_path
 from tests.test_read import MODES, config_for
 
 pytestmark = pytest.mark.mpi(min_size=2)
@@ -35,8 +38,9 @@ def same_everywhere(comm, error: BaseException) -> str:
 
 @pytest.fixture
 def data(comm, shared_tmp):
-    """A directory of 23 files (3 of them in a/b), a raw file of int32 records 0..99 and an
-    HDF5 file with a dataset, a group and a variable-length string dataset."""
+    """A directory of 23 files (3 of them in a/b), a raw file of int32 records 0..99, an
+    HDF5 file with a dataset, a group and a variable-length string dataset, and one with
+    datasets that are not contiguous in the file (chunked, external, never written)."""
     root = shared_tmp / "pfs"
     if comm.Get_rank() == 0:
         (root / "files" / "a" / "b").mkdir(parents=True)
@@ -47,6 +51,10 @@ def data(comm, shared_tmp):
             f.create_dataset("x", data=np.arange(40, dtype=np.float32).reshape(10, 4))
             f.create_group("g").create_dataset("y", data=np.arange(6, dtype=np.int16))
             f.create_dataset("names", data=["a", "bb", "ccc"], dtype=h5py.string_dtype())
+        with h5py.File(root / "elsewhere.h5", "w") as f:
+            f.create_dataset("chunked", data=np.arange(8).reshape(4, 2), chunks=(2, 2))
+            f.create_dataset("later", shape=(4, 2), dtype="<i4")
+            f.create_dataset("external", shape=(4, 2), dtype="<i4", external=[("x.bin", 0, 32)])
         (root / "bad.h5").write_bytes(b"\x89HDF\r\n\x1a\n" + b"\xff" * 200)
     comm.Barrier()
     return root, config_for(comm, shared_tmp)
@@ -236,6 +244,14 @@ HDF5_CASES = {  # file, dataset=, error class, what the message says
     "a group": ("several.h5", "g", bbio.UsageError, "'g' is not a dataset of the HDF5 file"),
     "variable-length": ("several.h5", "names", bbio.UsageError, "variable-length elements"),
     "missing": ("several.h5", "nope", bbio.NotFoundError, "Pass dataset= one of: g/y, names, x"),
+    "chunked": ("elsewhere.h5", "chunked", bbio.UsageError, "'chunked' is chunked, not contiguous"),
+    "never written": ("elsewhere.h5", "later", bbio.UsageError, "has no data in the file yet"),
+    "external storage": (
+        "elsewhere.h5",
+        "external",
+        bbio.UsageError,
+        "keeps its data in raw files outside the HDF5 file (external storage, such as 'x.bin')",
+    ),
 }
 
 
@@ -268,11 +284,32 @@ def damage_index_a_list(pack):
     (pack / "bbio-pack.json").write_text("[]")
 
 
+def damaging_shard_entry(name: str, value: int):
+    """A damage: the first sample of shard 1 gets ``value`` as its ``name`` (offsets or sizes)."""
+
+    def damage(pack):
+        with h5py.File(pack / "shard-00001.h5", "r+") as f:
+            listed = f[name][:]
+            listed[0] = value
+            f[name][...] = listed
+
+    return damage
+
+
 PACK_DAMAGE = {
     "missing shard": (damage_missing_shard, bbio.NotFoundError, "shard-00001.h5"),
     "truncated shard": (damage_truncated_shard, bbio.BBIOError, "shard-00001.h5"),
     "index without shards": (damage_index_without_shards, bbio.IntegrityError, "bbio-pack.json"),
     "index a list": (damage_index_a_list, bbio.IntegrityError, "bbio-pack.json"),
+}
+SAMPLE_OUTSIDE = {  # before, these opened: their reads hung or failed unlike on other ranks
+    "negative size": damaging_shard_entry("sizes", -5),
+    "size past the end": damaging_shard_entry("sizes", 10**11),
+    "negative offset": damaging_shard_entry("offsets", -1),
+    "offset past the end": damaging_shard_entry("offsets", 2**62),
+}
+PACK_DAMAGE |= {
+    case: (damage, bbio.IntegrityError, "shard-00001.h5") for case, damage in SAMPLE_OUTSIDE.items()
 }
 
 
@@ -289,6 +326,8 @@ def test_a_damaged_pack_is_one_clear_error(comm, data, case):
         bbio.open_dataset(comm, root / "packed", config=config).close()
     message = same_everywhere(comm, info.value)
     assert culprit in message and "bbio pack" in message, message
+    if case in SAMPLE_OUTSIDE:
+        assert "the pack shard lists its sample 0 at offset" in message, message
 
 
 RAW_CASES = {  # arguments, what the message says
@@ -459,3 +498,124 @@ def test_structured_samples_keep_their_fields(comm, data, shared_tmp):
             assert got.dtype.names == ("id", "value"), got.dtype
             assert got["id"].ravel().tolist() == [4, 1]
             assert got["value"].ravel().tolist() == [2.0, 0.5]
+
+
+# ------------------------------------------------------------ review findings
+
+
+LINKED = np.arange(64, dtype="<i8").reshape(16, 4) + 1000  # other.h5's dataset
+PADDING = np.full((128, 4), -7, dtype="<i8")  # main.h5's own dataset
+
+
+@pytest.mark.parametrize("link", ["external", "external, staged", "soft"])
+def test_a_dataset_reached_through_a_link_is_read_from_the_file_holding_it(comm, shared_tmp, link):
+    """Before, a dataset in another file was read at its offset in the opened file."""
+    root = shared_tmp / "pfs" / "linked"
+    if comm.Get_rank() == 0:
+        root.mkdir(parents=True)
+        with h5py.File(root / "other.h5", "w") as f:
+            f.create_dataset("data", data=LINKED)
+        with h5py.File(root / "main.h5", "w") as f:
+            f.create_dataset("pad", data=PADDING)  # something else where other.h5's data sits
+            f["x"] = h5py.ExternalLink("other.h5", "/data")
+            f["s"] = h5py.SoftLink("/pad")
+    comm.Barrier()
+    config = config_for(comm, shared_tmp)
+    if link == "external, staged":
+        bbio.stage_in(comm, root, f"{config.bb_root}/linked", config=config)
+        if comm.Get_rank() == 0:  # only the burst buffers' copies are left to read
+            (root / "other.h5").rename(shared_tmp / "other.h5")
+        comm.Barrier()
+    name, expected = ("s", PADDING) if link == "soft" else ("x", LINKED)
+    with bbio.open_dataset(comm, root / "main.h5", dataset=name, config=config) as ds:
+        assert len(ds) == len(expected)
+        ids = [comm.Get_rank(), len(ds) - 1 - comm.Get_rank()]
+        assert ds.read(ids).tolist() == expected[ids].tolist()
+        held = "main.h5" if link == "soft" else "other.h5"
+        assert ds.layout.files == [str(root / held)]
+        assert bool(ds.local) == (link == "external, staged")
+
+
+@pytest.mark.timeout(60)  # before the fix the other node's ranks hung
+@pytest.mark.parametrize("damaged", ["registry", "manifest"])
+def test_a_damaged_staging_record_on_one_node_is_one_error_everywhere(comm, data, damaged):
+    root, config = data
+    bbio.stage_in(comm, root, f"{config.bb_root}/pfs", config=config)
+    node_1 = Path(config.bb_root.replace("{node}", "1"))
+    staged = {"registry": registry.registry_path(node_1), "manifest": manifest_path(node_1 / "pfs")}
+    record = staged[damaged]
+    if comm.Get_rank() == 0:
+        record.write_text('{"format": ')
+    comm.Barrier()
+    with pytest.raises(bbio.IntegrityError) as info:
+        bbio.open_dataset(comm, root / "x.raw", record_bytes=4, config=config).close()
+    message = same_everywhere(comm, info.value)
+    assert f"failed on rank {comm.Get_size() // 2}" in message, message
+    assert "the file is damaged: not valid JSON" in message and str(record) in message, message
+
+
+@pytest.mark.parametrize("mode", ["aggregated", "alone"])
+@pytest.mark.parametrize("ids", ["uint64", "python int"])
+def test_ids_beyond_int64_are_named_as_passed(comm, data, mode, ids):
+    """Before, a uint64 id wrapped to a negative one in the message, and a Python int
+    beyond 64 bits was "not an integer"."""
+    root, config = data
+    config = dataclasses.replace(config, **MODES[mode])
+    big = 2**63 + 5 if ids == "uint64" else 2**70
+    with bbio.open_dataset(comm, root / "x.raw", record_bytes=4, config=config) as ds:
+        wrong = np.array([3, big], dtype=np.uint64) if ids == "uint64" else [3, big]
+        with pytest.raises(bbio.UsageError) as info:
+            ds.read(wrong if last_rank(comm) else [3])
+        message = same_everywhere(comm, info.value)
+        assert f"sample id {big} (asked by rank {comm.Get_size() - 1}) is out of range" in message
+
+
+def test_an_empty_hdf5_dataset_opens_with_no_samples(comm, data):
+    """Before, it was refused as "chunked, compressed or not yet written"."""
+    root, config = data
+    if comm.Get_rank() == 0:
+        with h5py.File(root / "empty.h5", "w") as f:
+            f.create_dataset("x", data=np.zeros((0, 4), dtype="<i4"))
+    comm.Barrier()
+    with bbio.open_dataset(comm, root / "empty.h5", config=config) as ds:
+        assert len(ds) == 0
+        assert ds.read([]).shape == (0, 4)
+        with bbio.Loader(comm, ds, batch_size=2, seed=0) as loader:
+            assert list(loader) == []
+
+
+@pytest.mark.timeout(60)  # before the fix: raw MPI errors, or hangs
+def test_a_second_loader_while_the_first_prefetches_is_one_usage_error(comm, data):
+    root, config = data
+    with bbio.open_dataset(comm, root / "x.raw", record_bytes=4, config=config) as ds:
+        first = bbio.Loader(comm, ds, batch_size=2, seed=0, prefetch=3)
+        batches = iter(first)
+        next(batches)  # its thread now reads ahead
+        with pytest.raises(bbio.UsageError) as info:
+            bbio.Loader(comm, ds, batch_size=3, seed=1, prefetch=0)
+        message = same_everywhere(comm, info.value)
+        assert "another Loader of this dataset is still prefetching" in message, message
+        assert "Close it" in message, message
+        rest = list(batches)  # the first is undisturbed and runs to its end
+        assert len(rest) == len(first) - 1
+        with bbio.Loader(comm, ds, batch_size=3, seed=1, prefetch=2) as second:  # now allowed
+            for batch in second:
+                assert batch.view(np.int32).ravel().tolist() == second.indices.tolist()
+        first.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("given", ["None", "MPI.COMM_NULL"])
+def test_a_loader_given_no_communicator_on_every_rank_is_one_usage_error(comm, data, given):
+    """The documented choice: the first agreement is over ``comm``, which every rank must
+    pass; only when no rank does, it is over the dataset's communicator."""
+    from mpi4py import MPI
+
+    root, config = data
+    with bbio.open_dataset(comm, root / "x.raw", record_bytes=4, config=config) as ds:
+        with pytest.raises(bbio.UsageError) as info:
+            bbio.Loader(None if given == "None" else MPI.COMM_NULL, ds, batch_size=3, seed=0)
+        message = same_everywhere(comm, info.value)
+        name = "NoneType" if given == "None" else "a freed communicator"
+        assert f"Loader needs the communicator the dataset was opened with, not {name}" in message
+        assert len(ds.read([0])) == 1  # still in step

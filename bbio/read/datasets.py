@@ -1,11 +1,12 @@
 """Datasets for collective reads, and the collective read itself.
 
-:func:`open_dataset` recognises four layouts and turns each into one extent
-table (sample -> file, offset, length):
+:func:`open_dataset` recognises four layouts and turns each into extents
+(sample -> file, offset, length): a table, or a formula for fixed-size samples:
 
 * a pack made by ``bbio pack`` (a directory with ``bbio-pack.json``);
 * an HDF5 file with one dataset of fixed-size samples along axis 0
-  (contiguous layout, no filters: its bytes are read with plain ``pread``);
+  (contiguous layout, no filters: its bytes are read with plain ``pread``, from
+  the file that holds it when a link leads into another file);
 * a raw file of fixed-size records (``record_bytes`` or ``sample_shape`` + ``dtype``);
 * a directory of files, one sample per file, in path order.
 
@@ -30,10 +31,15 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import hashlib
+import itertools
 import os
+import resource
+import threading
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +67,11 @@ from bbio.mpi import (
 from bbio.read.plan import (
     MPI_BLOCK_BYTES,
     Extents,
+    FixedExtents,
     Holders,
     ReadPlan,
     Rounds,
+    SampleExtents,
     aggregation_pays,
     make_plan,
     reads_alone,
@@ -90,6 +98,13 @@ SHARED_SETTINGS = (
     "read_direct_bytes",
 )
 DAMAGED_PACK = "the pack is damaged or incomplete; run 'bbio pack' again"
+#: the most bytes one pickled MPI message carries (its byte count is a C int)
+MAX_MESSAGE_BYTES = 2**31 - 1
+#: a pack's extents travel as two int64 per sample, plus this much per shard
+PACKED_BYTES_PER_SAMPLE, PACKED_BYTES_PER_SHARD = 16, 512
+#: a dataset keeps at most this many files open per rank, whatever RLIMIT_NOFILE allows
+MAX_OPEN_FILES = 1024
+INT64 = np.iinfo(np.int64)
 
 
 @dataclasses.dataclass
@@ -111,7 +126,7 @@ class Layout:
     kind: str
     files: list[str]  # PFS paths
     file_sizes: list[int]
-    extents: Extents
+    extents: SampleExtents  # FixedExtents for fixed-size samples: O(1) to share
     sample_shape: tuple[int, ...] | None  # None: variable-size samples (bytes)
     dtype: np.dtype | None  # kept whole: a structured dtype keeps its fields
     file_crcs: list[int] | None = None  # a pack's shards: a staged copy must have these
@@ -164,7 +179,9 @@ def _read_pack_index(where: Path) -> list[ShardInfo]:
 
 
 def _shard_arrays(path: Path, shard: ShardInfo) -> tuple[np.ndarray, np.ndarray]:
-    """(offsets, sizes) of the samples of ``shard``, read from its file ``path``."""
+    """(offsets, sizes) of the samples of ``shard``, read from its file ``path``; an
+    :class:`IntegrityError` unless every sample lies within the shard's bytes.  Not
+    collective."""
     import h5py
 
     try:
@@ -181,6 +198,21 @@ def _shard_arrays(path: Path, shard: ShardInfo) -> tuple[np.ndarray, np.ndarray]
         raise IntegrityError(
             f"the pack shard lists {offsets.size} offsets and {sizes.size} sizes, "
             f"the index says {shard.samples} samples",
+            path=path,
+            hint=DAMAGED_PACK,
+        )
+    room = shard.file_bytes - shard.data_offset  # the shard's bytes after its data begins
+    inside = (
+        (offsets >= 0)
+        & (sizes >= 0)
+        & (offsets <= room)
+        & (sizes <= room - np.clip(offsets, 0, max(room, 0)))  # not offset + size: it could wrap
+    )
+    if not inside.all():
+        i = int(np.flatnonzero(~inside)[0])
+        raise IntegrityError(
+            f"the pack shard lists its sample {i} at offset {offsets[i]} with {sizes[i]} "
+            f"bytes, outside its {room} bytes of data",
             path=path,
             hint=DAMAGED_PACK,
         )
@@ -214,9 +246,12 @@ def _packed_layout(
         if comm.Get_rank() == (index_from[0] if index_from else 0):
             shards = _read_pack_index(staged if index_from else root)
     shards = comm.bcast(shards, root=index_from[0] if index_from else 0)
+    _check_shareable(root, shards)
     files = [str(root / s.file) for s in shards]
     sizes, crcs = [s.file_bytes for s in shards], [s.crc32c for s in shards]
-    local = _local_copies(bb_dir, node, files, sizes, crcs)
+    local: dict[int, str] = {}
+    with agreed(comm, f"opening the dataset {root}: reading the staging manifests"):
+        local = _local_copies(bb_dir, node, files, sizes, crcs)
     holders = comm.allgather(sorted(local) if is_leader else [])
     reader = {}
     for r, held in enumerate(holders):
@@ -242,19 +277,35 @@ def _packed_layout(
     return Layout("packed", files, sizes, extents, None, None, crcs), local
 
 
+def _check_shareable(root: Path, shards: Sequence[ShardInfo]) -> None:
+    """Raise the same :class:`UsageError` on every rank (which all know ``shards``) if the
+    extents of the pack ``root`` are too large for the one MPI message that shares them.
+    Not collective."""
+    samples = sum(s.samples for s in shards)
+    payload = samples * PACKED_BYTES_PER_SAMPLE + len(shards) * PACKED_BYTES_PER_SHARD
+    if payload > MAX_MESSAGE_BYTES:
+        raise UsageError(
+            f"the pack's {samples} samples are too many to share at open: their offsets and "
+            f"sizes take {payload} bytes, over the {MAX_MESSAGE_BYTES} one MPI message carries",
+            path=root,
+            hint="pack the data into several packs of fewer samples (or larger samples), "
+            "and open each as its own dataset",
+        )
+
+
 def _fixed_layout(
     kind: str, path: Path, size: int, base: int, count: int, shape, dtype: np.dtype
 ) -> Layout:
     record = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    extents = Extents(
-        np.zeros(count, dtype=np.int32),
-        base + np.arange(count, dtype=np.int64) * record,
-        np.full(count, record, dtype=np.int64),
-    )
-    return Layout(kind, [str(path)], [size], extents, tuple(shape), dtype)
+    return Layout(kind, [str(path)], [size], FixedExtents(count, base, record), tuple(shape), dtype)
 
 
-def _hdf5_layout(path: Path, read_path: Path, dataset: str | None) -> Layout:
+def _hdf5_layout(
+    path: Path, read_path: Path, dataset: str | None, staged_tree: StagedTree | None
+) -> Layout:
+    """The layout of ``dataset`` of the HDF5 file ``path``, opened at ``read_path`` (the file
+    or its copy in the staged tree ``staged_tree``).  A dataset reached through a link into
+    another file is read from that file.  Not collective."""
     try:
         import h5py
     except ImportError as exc:
@@ -301,21 +352,43 @@ def _hdf5_layout(path: Path, read_path: Path, dataset: str | None) -> Layout:
             )
         if not dset.shape:
             raise UsageError(
-                f"dataset {dataset!r} is a scalar or empty; samples go along axis 0", path=path
+                f"dataset {dataset!r} has no axis 0 (a scalar, or a null dataspace); "
+                "samples go along axis 0",
+                path=path,
             )
-        layout = dset.id.get_create_plist().get_layout()
-        if layout != h5py.h5d.CONTIGUOUS or dset.compression or dset.id.get_offset() is None:
+        plist = dset.id.get_create_plist()
+        if plist.get_external_count():
             raise UsageError(
-                f"dataset {dataset!r} is chunked, compressed or not yet written",
+                f"dataset {dataset!r} keeps its data in raw files outside the HDF5 file "
+                f"(external storage, such as {plist.get_external(0)[0].decode()!r})",
+                path=path,
+                hint="open that raw file itself (record_bytes=, or sample_shape= and dtype=), "
+                "or copy the data into the HDF5 file: f.create_dataset(name, data=...)",
+            )
+        layout = plist.get_layout()
+        if layout != h5py.h5d.CONTIGUOUS:
+            names = {h5py.h5d.CHUNKED: "chunked", h5py.h5d.COMPACT: "compact"}
+            stored = "chunked and compressed" if dset.compression else names.get(layout, "virtual")
+            raise UsageError(
+                f"dataset {dataset!r} is {stored}, not contiguous",
                 path=path,
                 hint="collective reads need a contiguous dataset; copy it with "
                 "f.create_dataset(name, data=..., chunks=None)",
             )
+        offset = dset.id.get_offset()
+        if offset is None and dset.size:
+            raise UsageError(
+                f"dataset {dataset!r} has no data in the file yet (it was never written)",
+                path=path,
+                hint="write its data first, or create it with f.create_dataset(name, data=...)",
+            )
+        holder = Path(os.path.realpath(dset.file.filename))
+        elsewhere = not os.path.samefile(holder, read_path)  # reached through an external link
         return _fixed_layout(
             "hdf5",
-            path,
-            os.path.getsize(read_path),
-            int(dset.id.get_offset()),
+            _pfs_path(holder, staged_tree) if elsewhere else path,
+            os.path.getsize(holder),
+            int(offset or 0),  # None: the dataset holds no byte (such as shape (0, 4))
             dset.shape[0],
             dset.shape[1:],
             dset.dtype,
@@ -419,12 +492,103 @@ def _local_copies(
     return found
 
 
-def _staged_root(bb_dir: Path, path: Path) -> Path | None:
-    hit = registry.lookup(bb_dir, path)
-    if hit is None:
+#: a staged tree: (its source on the PFS, its copy in a burst buffer)
+StagedTree = tuple[Path, Path]
+
+
+def _staged_copy(staged_tree: StagedTree | None, path: Path) -> Path | None:
+    """Where ``staged_tree`` holds the PFS path ``path`` (which it contains), if anywhere.
+    Not collective."""
+    if staged_tree is None:
         return None
-    source, destination = hit
+    source, destination = staged_tree
     return destination / os.path.relpath(os.path.realpath(path), source)
+
+
+def _pfs_path(file: Path, staged_tree: StagedTree | None) -> Path:
+    """``file`` as a PFS path: a file inside the copy of ``staged_tree`` is its source's
+    file; any other file is itself.  Not collective."""
+    if staged_tree is not None:
+        source, destination = staged_tree
+        inside = os.path.relpath(os.path.realpath(file), destination)
+        if inside != os.pardir and not inside.startswith(os.pardir + os.sep):
+            return Path(os.path.normpath(source / inside))
+    return file
+
+
+def _open_files_budget() -> int:
+    """How many files a dataset keeps open on this rank: a quarter of the soft
+    ``RLIMIT_NOFILE`` (the rest is the job's), at least 2, at most :data:`MAX_OPEN_FILES`.
+    Not collective."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return MAX_OPEN_FILES
+    return max(2, min(MAX_OPEN_FILES, soft // 4))
+
+
+#: a descriptor of a dataset's file: (file index, opened for O_DIRECT reads)
+DescriptorKey = tuple[int, bool]
+
+
+class _Descriptors:
+    """This rank's open descriptors of a dataset's files, at most ``limit`` of them.
+
+    ``open_file(file, direct)`` opens one: (descriptor, opened with ``O_DIRECT``).
+    Past ``limit`` the least recently used are closed, never one a read in flight
+    has pinned (:meth:`pinned`): the background threads (an aggregator's next
+    round, a loader's prefetch) read while another thread may open more.  Thread-safe.
+    """
+
+    def __init__(self, limit: int, open_file: Callable[[int, bool], tuple[int, bool]]) -> None:
+        self.limit = limit
+        self._open_file = open_file
+        self.held: OrderedDict[DescriptorKey, tuple[int, bool]] = OrderedDict()  # LRU first
+        self._pins: Counter[DescriptorKey] = Counter()
+        self._lock = threading.Lock()
+
+    @contextmanager
+    def pinned(
+        self, keys: Iterable[DescriptorKey]
+    ) -> Iterator[dict[DescriptorKey, tuple[int, bool]]]:
+        """Open the descriptors ``keys`` (or find them open) and keep them open until the
+        block ends: {key: (descriptor, opened with O_DIRECT)}.  Not collective."""
+        keys = list(keys)
+        with self._lock:
+            self._pins.update(keys)
+        try:
+            yield {key: self._get(key) for key in keys}
+        finally:
+            with self._lock:
+                self._pins.subtract(keys)
+                self._pins += Counter()  # drops the keys no longer pinned
+                self._close_unpinned_beyond(self.limit)
+
+    def _get(self, key: DescriptorKey) -> tuple[int, bool]:
+        with self._lock:
+            if key in self.held:
+                self.held.move_to_end(key)
+                return self.held[key]
+            self._close_unpinned_beyond(self.limit - 1)  # room for this one
+            opened = self._open_file(*key)
+            self.held[key] = opened
+            return opened
+
+    def _close_unpinned_beyond(self, count: int) -> None:
+        """Close the least recently used unpinned descriptors until at most ``count`` are
+        open (or only pinned ones are left).  Holds the lock."""
+        excess = len(self.held) - count
+        if excess <= 0:
+            return
+        unpinned = (key for key in self.held if not self._pins[key])  # least recent first
+        for key in list(itertools.islice(unpinned, excess)):
+            os.close(self.held.pop(key)[0])
+
+    def close_all(self) -> None:
+        """Close every descriptor (no read may be in flight).  Not collective."""
+        with self._lock:
+            for fd, _ in self.held.values():
+                os.close(fd)
+            self.held.clear()
 
 
 class Dataset:
@@ -470,8 +634,7 @@ class Dataset:
             _stripe_size(self._path(0)) if comm.Get_rank() == 0 and layout.files else 4096
         )
         self.reads_alone = reads_alone(layout.extents, self.holders, config.read_direct_bytes)
-        self._fds: dict[int, int] = {}
-        self._direct_fds: dict[int, int | None] = {}  # None: the file system refuses O_DIRECT
+        self._descriptors = _Descriptors(_open_files_budget(), self._open_file)
         self._reader: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __len__(self) -> int:
@@ -508,7 +671,9 @@ class Dataset:
             self._add_counts(*totals.tolist(), direct=True)
             return out
         try:
-            mine: np.ndarray | UsageError = _sample_ids(indices, self.comm.Get_rank(), self.path)
+            mine: np.ndarray | UsageError = _sample_ids(
+                indices, self.comm.Get_rank(), self.path, len(self)
+            )
         except UsageError as exc:  # handed to every rank, which raises it
             mine = exc
         everyone = gather_in_call(self.comm, f"read of {self.path}", mine)  # one collective
@@ -557,7 +722,7 @@ class Dataset:
                 f"read_planned needs one list of ids per rank ({size}), got {len(requests)}",
                 path=self.path,
             )
-        valid = [_sample_ids(ids, r, self.path) for r, ids in enumerate(requests)]
+        valid = [_sample_ids(ids, r, self.path, len(self)) for r, ids in enumerate(requests)]
         for r, ids in enumerate(valid):
             self._check_ids(ids, r)
         return valid
@@ -595,27 +760,35 @@ class Dataset:
                 self._count(requests, plan.requests_issued, plan.bytes_read)
                 return out
         out = self._read_direct(requests[rank])
-        lengths = self.layout.extents.length[everything]
+        lengths = self.layout.extents.take(everything)[2]
         self._count(requests, int(everything.size), int(lengths.sum()), direct=True)
         return out
 
     def _check_ids(self, ids: np.ndarray, rank: int) -> None:
         wrong = ids[(ids < 0) | (ids >= len(self))]
         if wrong.size:
-            raise UsageError(
-                f"sample id {int(wrong[0])} (asked by rank {rank}) is out of range: "
-                f"the dataset has {len(self)} samples",
-                path=self.path,
-                hint="ids go from 0 to len(dataset) - 1",
-            )
+            raise _out_of_range(int(wrong[0]), rank, self.path, len(self))
 
     def _read_aggregated(self, plan: ReadPlan, count: int) -> np.ndarray | list[np.ndarray]:
-        """Collective: this rank's ``count`` samples, read by the aggregators in rounds."""
+        """Collective: this rank's ``count`` samples, read by the aggregators in rounds.
+
+        Every rank first allocates what it needs (an aggregator its buffer, every
+        rank its samples) and the ranks agree on that: a rank that cannot makes every
+        rank raise the same error before any exchange needs its memory."""
         rank = self.comm.Get_rank()
         agg = plan.aggregators.index(rank) if rank in plan.aggregators else -1
         rounds = split_rounds(plan, self.config.read_round_bytes)
-        buffer = np.empty(plan.buffer_bytes(agg) if agg >= 0 else 0, dtype=np.uint8)
-        out = self._output(count)
+        asked = plan.req_rank == rank
+        lengths = np.zeros(count, dtype=np.int64)
+        lengths[plan.req_pos[asked]] = plan.req_length[asked]
+        places = np.cumsum(lengths) - lengths  # where each sample lands in ``target``
+        buffer_bytes = plan.buffer_bytes(agg) if agg >= 0 else 0
+        buffer = target = np.zeros(0, dtype=np.uint8)
+        out: np.ndarray | list[np.ndarray] = []
+        with agreed(self.comm, "collective read"):
+            with self._allocating(buffer_bytes, "the aggregator's read buffer"):
+                buffer = np.empty(buffer_bytes, dtype=np.uint8)
+            out, target = self._landing(lengths, places)
         failure: Exception | None = None
         reading = self._read_round(plan, agg, buffer, rounds, 0)
         for k in range(rounds.count):
@@ -628,7 +801,8 @@ class Dataset:
             if failure is None and k + 1 < rounds.count:
                 reading = self._read_round(plan, agg, buffer, rounds, k + 1)
             chosen = rounds.req_round == k
-            statuses = self._exchange(plan, buffer, agg, failure is not None, chosen, out)
+            failed = failure is not None
+            statuses = self._exchange(plan, buffer, agg, failed, chosen, target, places)
             if statuses.any():  # every rank received every aggregator's status
                 if reading is not None:
                     concurrent.futures.wait([reading])
@@ -648,29 +822,51 @@ class Dataset:
         out: np.ndarray | list[np.ndarray] = []
         with agreed(self.comm, "collective read", totals):
             if totals is not None:
-                ids = _sample_ids(ids, self.comm.Get_rank(), self.path)
+                ids = _sample_ids(ids, self.comm.Get_rank(), self.path, len(self))
                 self._check_ids(ids, self.comm.Get_rank())
-                length = self.layout.extents.length
-                totals[:] = ids.size, ids.size, length[ids].sum(), length[np.unique(ids)].sum()
-            out = self._output(ids.size)
-            if ids.size == 0:
-                return out
-            extents = self.layout.extents
-            files = extents.file[ids].astype(np.int64)
-            lengths = extents.length[ids].astype(np.int64)
-            if self.fixed_size:
-                target = out.reshape(-1).view(np.uint8)
-                places = np.arange(ids.size, dtype=np.int64) * (target.size // ids.size)
-            else:
-                target = np.empty(int(lengths.sum()), dtype=np.uint8)
-                places = np.cumsum(lengths) - lengths
-            self._pread(files, extents.offset[ids], lengths, target, places)
-            if not self.fixed_size:
-                for i, (start, length) in enumerate(
-                    zip(places.tolist(), lengths.tolist(), strict=True)
-                ):
-                    out[i] = target[start : start + length]
+            files, offsets, lengths = self.layout.extents.take(ids)
+            if totals is not None:
+                unique = self.layout.extents.take(np.unique(ids))[2]
+                totals[:] = ids.size, ids.size, lengths.sum(), unique.sum()
+            places = np.cumsum(lengths) - lengths
+            out, target = self._landing(lengths, places)
+            if ids.size:
+                self._pread(files, offsets, lengths, target, places)
         return out
+
+    def _landing(
+        self, lengths: np.ndarray, places: np.ndarray
+    ) -> tuple[np.ndarray | list[np.ndarray], np.ndarray]:
+        """(out, target): what a read of samples of ``lengths`` returns, and the bytes it is
+        made of, sample i's at ``places[i]`` (back to back, in order).  Not collective; a
+        :class:`BBIOError` if the memory cannot be had."""
+        with self._allocating(
+            int(lengths.sum()), f"the {lengths.size} samples this rank asked for"
+        ):
+            if self.fixed_size:
+                out = np.empty((lengths.size, *self.layout.sample_shape), dtype=self.layout.dtype)
+                return out, out.reshape(-1).view(np.uint8)
+            target = np.empty(int(lengths.sum()), dtype=np.uint8)
+        at = zip(places.tolist(), lengths.tolist(), strict=True)
+        return [target[start : start + n] for start, n in at], target
+
+    @contextmanager
+    def _allocating(self, nbytes: int, what: str) -> Iterator[None]:
+        """Turn a failure to allocate ``nbytes`` for ``what`` into a :class:`BBIOError` naming
+        them and this rank.  Not collective."""
+        try:
+            yield
+        except MemoryError:
+            raise BBIOError(
+                f"cannot allocate {nbytes} bytes ({nbytes / 2**20:.1f} MiB) for {what}: "
+                "out of memory",
+                path=self.path,
+                rank=self.comm.Get_rank(),
+                node=self.node,
+                hint="read fewer samples per call (a smaller batch_size); an aggregator "
+                "holds every byte it reads for a call, so more aggregators "
+                "(aggregators_per_node) each hold less",
+            ) from None
 
     def _read_round(
         self, plan: ReadPlan, agg: int, buffer: np.ndarray, rounds: Rounds, k: int
@@ -692,34 +888,18 @@ class Dataset:
             self._reader = concurrent.futures.ThreadPoolExecutor(1, "bbio-read")
         return self._reader.submit(self._aggregate, plan, mine, buffer)
 
-    def _output(self, count: int) -> np.ndarray | list[np.ndarray]:
-        if self.fixed_size:
-            return np.empty((count, *self.layout.sample_shape), dtype=self.layout.dtype)
-        return [np.zeros(0, dtype=np.uint8)] * count
-
     def _path(self, f: int) -> str:
         return self.local.get(f, self.layout.files[f])
 
-    def _fd(self, f: int) -> int:
-        fd = self._fds.get(f)
-        if fd is None:
-            path = self._path(f)
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError as exc:
-                raise from_oserror(exc, "open the dataset file", path, node=self.node) from None
-            self._fds[f] = fd
-        return fd
-
-    def _direct_fd(self, f: int) -> int | None:
-        """File ``f`` opened with ``O_DIRECT``; None if its file system refuses it (tmpfs)."""
-        if f not in self._direct_fds:
-            path = self._path(f)
-            try:
-                self._direct_fds[f] = _native.open_direct(path, os.O_RDONLY)
-            except OSError as exc:
-                raise from_oserror(exc, "open the dataset file", path, node=self.node) from None
-        return self._direct_fds[f]
+    def _open_file(self, f: int, direct: bool) -> tuple[int, bool]:
+        """(descriptor, opened with ``O_DIRECT``) of file ``f``, opened with ``O_DIRECT`` if
+        ``direct`` and its file system allows it (tmpfs does not).  Not collective."""
+        path = self._path(f)
+        try:
+            fd = _native.open_direct(path, os.O_RDONLY) if direct else None
+            return (fd, True) if fd is not None else (os.open(path, os.O_RDONLY), False)
+        except OSError as exc:
+            raise from_oserror(exc, "open the dataset file", path, node=self.node) from None
 
     def _aggregate(self, plan: ReadPlan, mine: np.ndarray, buffer: np.ndarray) -> None:
         """Read the plan's reads ``mine`` into their places in ``buffer``."""
@@ -744,23 +924,47 @@ class Dataset:
         """Read ``lengths`` bytes of ``files`` at ``offsets`` into ``out`` at ``places``,
         ``io_threads`` in flight; a short read means the dataset changed.  Reads of at
         least ``read_odirect_bytes`` bypass the page cache (``O_DIRECT``) where the file
-        system allows it."""
+        system allows it.  The files are read a batch at a time, each batch no more files
+        than the open descriptors kept (:class:`_Descriptors`) allow."""
         threshold = self.config.read_odirect_bytes
-        fds, aligned = [], []
-        for f, length in zip(files.tolist(), lengths.tolist(), strict=True):
-            direct = self._direct_fd(f) if 0 < threshold <= length else None
-            fds.append(self._fd(f) if direct is None else direct)
-            aligned.append(direct is not None)
-        got = _native.pread_batch(
-            fds,
-            offsets,
-            lengths,
-            out,
-            places,
-            threads=self.config.io_threads,
-            paths=[self._path(int(f)) for f in files],
-            aligned=aligned,
-        )
+        direct = lengths >= threshold if threshold > 0 else np.zeros(lengths.size, dtype=bool)
+        per_batch = self._descriptors.limit // 2  # a file may take two: buffered and O_DIRECT
+        by_file = np.argsort(files, kind="stable")
+        ordered = files[by_file]
+        first_of_file = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+        if first_of_file.size <= per_batch:  # the usual case: one batch, in the order given
+            self._pread_batch(files, offsets, lengths, direct, out, places)
+            return
+        bounds = [*first_of_file[::per_batch].tolist(), files.size]
+        for start, end in itertools.pairwise(bounds):
+            batch = by_file[start:end]
+            self._pread_batch(
+                files[batch], offsets[batch], lengths[batch], direct[batch], out, places[batch]
+            )
+
+    def _pread_batch(
+        self,
+        files: np.ndarray,
+        offsets: np.ndarray,
+        lengths: np.ndarray,
+        direct: np.ndarray,
+        out: np.ndarray,
+        places: np.ndarray,
+    ) -> None:
+        """:meth:`_pread` of requests in at most ``limit // 2`` files, their descriptors held
+        open until the reads are done."""
+        keys = list(zip(files.tolist(), direct.tolist(), strict=True))
+        with self._descriptors.pinned(set(keys)) as opened:
+            got = _native.pread_batch(
+                [opened[key][0] for key in keys],
+                offsets,
+                lengths,
+                out,
+                places,
+                threads=self.config.io_threads,
+                paths=[self._path(int(f)) for f in files],
+                aligned=[opened[key][1] for key in keys],
+            )
         short = np.flatnonzero(got != lengths)
         if short.size:
             raise IntegrityError(
@@ -777,13 +981,15 @@ class Dataset:
         agg: int,
         failed: bool,
         chosen: np.ndarray,
-        out: np.ndarray | list[np.ndarray],
+        target: np.ndarray,
+        places: np.ndarray,
     ) -> np.ndarray:
         """Hand out the ``chosen`` requests (one round); returns every aggregator's status.
 
         One ``Alltoallw`` whose datatypes index the aggregator's buffer on the
-        sending side and the output rows on the receiving side, so the bytes
-        move once; next to it an ``Allgather`` of each rank's failure flag.
+        sending side and this rank's ``target`` (sample at position p at
+        ``places[p]``) on the receiving side, so the bytes move once; next to it an
+        ``Allgather`` of each rank's failure flag.
         """
         from mpi4py import MPI
 
@@ -809,18 +1015,12 @@ class Dataset:
         asked = np.flatnonzero((plan.req_rank == rank) & chosen)
         asked = asked[np.lexsort((plan.req_pos[asked], plan.req_agg[asked]))]
         lengths = plan.req_length[asked]
-        if self.fixed_size:
-            target = out.reshape(-1).view(np.uint8)
-            row = out.itemsize * int(np.prod(out.shape[1:], dtype=np.int64))
-            places = plan.req_pos[asked] * row
-        else:
-            target = np.empty(int(lengths.sum()), dtype=np.uint8)
-            places = np.cumsum(lengths) - lengths
+        at = places[plan.req_pos[asked]]
         recv_types, recv_counts = [MPI.BYTE] * size, [0] * size
         bounds = np.searchsorted(plan.req_agg[asked], np.arange(aggs.size + 1))
         for a in np.flatnonzero(np.diff(bounds)).tolist():
             part = slice(bounds[a], bounds[a + 1])
-            recv_types[aggs[a]] = indexed(lengths[part], places[part])
+            recv_types[aggs[a]] = indexed(lengths[part], at[part])
             recv_counts[aggs[a]] = 1
         statuses = np.zeros(size, dtype=np.uint8)
         zeros = [0] * size
@@ -835,11 +1035,6 @@ class Dataset:
         finally:
             for kind in created:
                 kind.Free()
-        if not self.fixed_size:
-            for pos, start, length in zip(
-                plan.req_pos[asked].tolist(), places.tolist(), lengths.tolist(), strict=True
-            ):
-                out[pos] = target[start : start + length]
         return statuses[aggs]
 
     def _count(
@@ -847,7 +1042,7 @@ class Dataset:
     ) -> None:
         ids = np.unique(np.concatenate([np.asarray(r, dtype=np.int64) for r in requests]))
         samples = int(sum(np.asarray(r).size for r in requests))
-        needed = int(self.layout.extents.length[ids].sum()) if ids.size else 0
+        needed = int(self.layout.extents.take(ids)[2].sum())
         self._add_counts(samples, issued, bytes_read, needed, direct)
 
     def _add_counts(
@@ -889,11 +1084,7 @@ class Dataset:
         if self._reader is not None:
             self._reader.shutdown()
             self._reader = None
-        for fd in [*self._fds.values(), *self._direct_fds.values()]:
-            if fd is not None:
-                os.close(fd)
-        self._fds.clear()
-        self._direct_fds.clear()
+        self._descriptors.close_all()
         self.comm.Free()
 
     def __enter__(self) -> Dataset:
@@ -982,10 +1173,10 @@ def _open_arguments(path, dataset, record_bytes, sample_shape, dtype, header_byt
     }
 
 
-def _sample_ids(ids, rank: int, path: Path) -> np.ndarray:
-    """Rank ``rank``'s sample ``ids`` of the dataset ``path`` as a flat int64 array; a
-    :class:`UsageError` unless they are integers (booleans and floats are refused).
-    Not collective."""
+def _sample_ids(ids, rank: int, path: Path, samples: int) -> np.ndarray:
+    """Rank ``rank``'s sample ``ids`` of the dataset ``path`` (of ``samples`` samples) as a
+    flat int64 array; a :class:`UsageError` unless they are integers (booleans and floats
+    are refused), naming any id beyond int64 as it was passed.  Not collective."""
     try:
         array = np.asarray(ids)
     except (TypeError, ValueError) as exc:
@@ -994,6 +1185,15 @@ def _sample_ids(ids, rank: int, path: Path) -> np.ndarray:
         ) from None
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)
+    if array.dtype == object and all(_is_integer(i) for i in array.flat):  # beyond 64 bits
+        wide = [int(i) for i in array.flat]
+        beyond = next((i for i in wide if not INT64.min <= i <= INT64.max), None)
+        if beyond is not None:
+            raise _out_of_range(beyond, rank, path, samples)
+        array = np.array(wide, dtype=np.int64)
+    if array.dtype.kind == "u" and array.max() > INT64.max:  # astype(int64) would wrap
+        flat = array.reshape(-1)
+        raise _out_of_range(int(flat[flat > INT64.max][0]), rank, path, samples)
     if array.dtype.kind not in "iu":
         hint = "for a boolean mask pass np.flatnonzero(mask)" if array.dtype == bool else None
         raise UsageError(
@@ -1004,12 +1204,28 @@ def _sample_ids(ids, rank: int, path: Path) -> np.ndarray:
     return array.astype(np.int64, copy=False).reshape(-1)
 
 
+def _is_integer(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+
+
+def _out_of_range(sample: int, rank: int, path: Path, samples: int) -> UsageError:
+    return UsageError(
+        f"sample id {sample} (asked by rank {rank}) is out of range: "
+        f"the dataset has {samples} samples",
+        path=path,
+        hint="ids go from 0 to len(dataset) - 1",
+    )
+
+
 def _open(comm, path, dataset, record_bytes, sample_shape, dtype, header_bytes, config) -> Dataset:
     topo = topology(comm, config.ranks_per_node)
     node, is_leader, nodes_on_host = topo.node, topo.is_leader, topo.nodes_on_host
     topo.free()
     bb_dir = config.node_dir(config.bb_root, node, nodes_on_host)
-    staged = _staged_root(bb_dir, path)
+    staged_tree: StagedTree | None = None
+    with agreed(comm, f"opening the dataset {path}: reading the staging registry"):
+        staged_tree = registry.lookup(bb_dir, path)
+    staged = _staged_copy(staged_tree, path)
     source = _either(path, staged)
     with agreed(comm, f"opening the dataset {path}"):
         if not source.exists():
@@ -1043,7 +1259,7 @@ def _open(comm, path, dataset, record_bytes, sample_shape, dtype, header_bytes, 
         raise UsageError(f"dataset= is for HDF5 files; this is {_KINDS[kind]}", path=path)
     if kind == "raw" and record_bytes is None and sample_shape is None:
         raise UsageError("a raw file needs record_bytes=, or sample_shape= and dtype=", path=path)
-    local = None
+    local: dict[int, str] | None = None
     if kind == "directory":
         layout = _directory_layout(comm, path, staged)
     elif kind == "packed":
@@ -1053,14 +1269,15 @@ def _open(comm, path, dataset, record_bytes, sample_shape, dtype, header_bytes, 
         with agreed(comm, f"opening the dataset {path}"):
             if comm.Get_rank() == 0:
                 if kind == "hdf5":
-                    layout = _hdf5_layout(path, source, dataset)
+                    layout = _hdf5_layout(path, source, dataset, staged_tree)
                 else:
                     layout = _raw_layout(
                         path, source, record_bytes, sample_shape, dtype, header_bytes
                     )
-        layout = comm.bcast(layout, root=0)
+        layout = comm.bcast(layout, root=0)  # a few bytes: fixed-size extents are computed
     if local is None:
-        local = _local_copies(bb_dir, node, layout.files, layout.file_sizes, layout.file_crcs)
+        with agreed(comm, f"opening the dataset {path}: reading the staging manifests"):
+            local = _local_copies(bb_dir, node, layout.files, layout.file_sizes, layout.file_crcs)
     return Dataset(comm, path, layout, local, config)
 
 

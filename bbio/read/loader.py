@@ -29,11 +29,15 @@ class Loader:
     """Iterate over batches: each rank gets its part of a global shuffle.
 
     Collective over ``comm``, which must hold the dataset's ranks in the same
-    order (the communicator given to :func:`open_dataset`): every rank must
+    order (the communicator given to :func:`open_dataset`, or a duplicate) on
+    every rank: a rank that passes None or ``MPI.COMM_NULL`` cannot reach the
+    others, which then wait (when every rank does, each raises a
+    :class:`UsageError`).  Every rank must
     create the loader with the same dataset and arguments, iterate the same
     number of steps and call :meth:`close` (or use ``with``).  Invalid or
     differing arguments, or different datasets, raise the same
-    :class:`UsageError` on every rank.
+    :class:`UsageError` on every rank, as does a second loader of a dataset
+    whose prefetching loader is still running (neither closed nor at its end).
     ``start_step`` resumes after that many steps (counted over all
     epochs), e.g. the step saved with a checkpoint.  Each element is what
     :meth:`Dataset.read` returns for this rank's ids of that step;
@@ -65,6 +69,7 @@ class Loader:
         with agreed(common, "Loader"):
             _check_dataset(dataset)
             _check_communicator(comm, dataset)
+            _check_no_prefetching_loader(dataset)
             where = dataset.path
             arguments = {
                 "batch_size": integer_argument("batch_size", batch_size, 1, where),
@@ -101,6 +106,7 @@ class Loader:
         self._allowed = 0  # the background thread may fetch steps below this
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._finished = False  # the training thread took the background thread's last item
         self._iterated = False
         # The first epoch's shuffle is drawn now, not in the first step: for a
         # dataset of many small samples it takes tens of milliseconds.
@@ -112,6 +118,12 @@ class Loader:
     def __len__(self) -> int:
         """Steps per epoch (the same on every rank)."""
         return self._steps
+
+    @property
+    def prefetching(self) -> bool:
+        """Whether the background thread has started and may still read: neither closed nor
+        at its end.  The same on every rank, which all iterate alike.  Not collective."""
+        return self._thread is not None and not self._closing and not self._finished
 
     def _schedule(self) -> Iterator[tuple]:
         step = 0
@@ -182,6 +194,8 @@ class Loader:
         while True:
             self._check_open()
             kind, item = self._queue.get()
+            if kind in ("end", "error"):
+                self._finished = True
             if kind == "end":
                 return
             if kind == "error":
@@ -218,6 +232,18 @@ def _check_dataset(dataset) -> None:
             f"Loader needs a dataset opened with open_dataset, not {type(dataset).__name__}"
         )
     dataset.check_open()
+
+
+def _check_no_prefetching_loader(dataset: Dataset) -> None:
+    """Raise unless no loader of ``dataset`` is prefetching (:attr:`Loader.prefetching`), whose
+    background reads would mix with a new loader's.  Not collective."""
+    if any(loader.prefetching for loader in dataset.loaders):
+        raise UsageError(
+            "another Loader of this dataset is still prefetching",
+            path=dataset.path,
+            hint="close it (loader.close(), or leave its with block) before making another "
+            "of the same dataset; its background reads would mix with the new loader's",
+        )
 
 
 def _check_communicator(comm, dataset: Dataset) -> None:

@@ -44,7 +44,7 @@ HOLE_FRACTION = 0.1
 
 @dataclasses.dataclass(frozen=True)
 class Extents:
-    """Where each sample's bytes are: ``file[i]``, ``offset[i]``, ``length[i]``."""
+    """Where each sample's bytes are, as a table: ``file[i]``, ``offset[i]``, ``length[i]``."""
 
     file: np.ndarray  # int32
     offset: np.ndarray  # int64
@@ -52,6 +52,49 @@ class Extents:
 
     def __len__(self) -> int:
         return int(self.file.size)
+
+    def take(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(file, offset, length) of the samples ``ids``, as int64 arrays.  Pure."""
+        return (
+            self.file[ids].astype(np.int64),
+            self.offset[ids].astype(np.int64),
+            self.length[ids].astype(np.int64),
+        )
+
+    def min_length(self) -> int:
+        """The shortest sample's length (there is at least one sample).  Pure."""
+        return int(self.length.min())
+
+
+@dataclasses.dataclass(frozen=True)
+class FixedExtents:
+    """Where each sample's bytes are, computed: ``count`` records of ``record`` bytes back to
+    back from byte ``base`` of file 0.  A few bytes for any count (a table would take 20
+    bytes per sample on every rank)."""
+
+    count: int
+    base: int
+    record: int
+
+    def __len__(self) -> int:
+        return self.count
+
+    def take(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(file, offset, length) of the samples ``ids``, as int64 arrays.  Pure."""
+        ids = np.asarray(ids, dtype=np.int64)
+        return (
+            np.zeros(ids.shape, dtype=np.int64),
+            self.base + ids * self.record,
+            np.full(ids.shape, self.record, dtype=np.int64),
+        )
+
+    def min_length(self) -> int:
+        """Every sample's length.  Pure."""
+        return self.record
+
+
+#: a dataset's extents: a table (variable-size samples) or computed (fixed-size ones)
+SampleExtents = Extents | FixedExtents
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +169,7 @@ def make_plan(
     req_rank: np.ndarray,
     req_pos: np.ndarray,
     req_sample: np.ndarray,
-    extents: Extents,
+    extents: SampleExtents,
     rank_node: Sequence[int],
     aggregators: Sequence[int],
     holders: Holders,
@@ -147,9 +190,7 @@ def make_plan(
     req_pos = np.asarray(req_pos, dtype=np.int64)
     req_sample = np.asarray(req_sample, dtype=np.int64)
     nodes = np.asarray(rank_node, dtype=np.int64)
-    files = extents.file[req_sample].astype(np.int64)
-    starts = extents.offset[req_sample].astype(np.int64)
-    lengths = extents.length[req_sample].astype(np.int64)
+    files, starts, lengths = extents.take(req_sample)
 
     # 1. serving group per request
     req_node = nodes[req_rank]
@@ -298,7 +339,7 @@ def split_rounds(plan: ReadPlan, round_bytes: int, max_rounds: int = 8) -> Round
     return Rounds(read_round, req_round, count)
 
 
-def reads_alone(extents: Extents, holders: Holders, direct_bytes: int) -> bool:
+def reads_alone(extents: SampleExtents, holders: Holders, direct_bytes: int) -> bool:
     """Can every rank read its own samples, with no requests or bytes exchanged?  Pure.
 
     True when every sample is at least ``direct_bytes`` long (such a read is
@@ -312,14 +353,14 @@ def reads_alone(extents: Extents, holders: Holders, direct_bytes: int) -> bool:
         return False
     held_somewhere = holders.holds.any(axis=0)
     held_everywhere = holders.holds.all(axis=0)
-    return bool(extents.length.min() >= direct_bytes and (held_everywhere | ~held_somewhere).all())
+    return bool(extents.min_length() >= direct_bytes and (held_everywhere | ~held_somewhere).all())
 
 
 def aggregation_pays(
     plan: ReadPlan,
     req_rank: np.ndarray,
     req_sample: np.ndarray,
-    extents: Extents,
+    extents: SampleExtents,
     rank_node: Sequence[int],
     holders: Holders,
     min_saving: float,
@@ -337,7 +378,7 @@ def aggregation_pays(
         return False
     if min_saving <= 0:
         return True
-    files = extents.file[np.asarray(req_sample, dtype=np.int64)].astype(np.int64)
+    files = extents.take(np.asarray(req_sample, dtype=np.int64))[0]
     req_node = np.asarray(rank_node, dtype=np.int64)[req_rank]
     remote = (holders.lowest[files] != PFS_ONLY) & ~holders.holds[req_node, files]
     if remote.any():

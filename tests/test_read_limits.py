@@ -1,0 +1,172 @@
+"""Collective reads at the machine's limits: more files than descriptors, a rank out of
+memory, more samples than one MPI message can describe.  The MPI tests run on 2 or 4
+ranks."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import resource
+from contextlib import contextmanager
+
+import h5py
+import numpy as np
+import pytest
+
+import bbio
+from bbio.read.datasets import _Descriptors
+from tests.test_read import MODES, config_for, sample_bytes
+from tests.test_read_usage import last_rank, same_everywhere
+
+
+@contextmanager
+def soft_limit(kind: int, value: int):
+    """This process's soft limit ``kind`` set to ``value`` for the block (the hard one kept)."""
+    soft, hard = resource.getrlimit(kind)
+    resource.setrlimit(kind, (value, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(kind, (soft, hard))
+
+
+# ------------------------------------------------------------ open descriptors
+
+
+def test_descriptors_in_use_stay_open_and_the_others_within_the_limit(tmp_path):
+    paths = [tmp_path / f"f{i}" for i in range(4)]
+    for path in paths:
+        path.write_bytes(b"x")
+    cache = _Descriptors(2, lambda f, direct: (os.open(paths[f], os.O_RDONLY), direct))
+    with cache.pinned([(0, False), (1, False)]) as first:
+        with cache.pinned([(2, True)]) as second:  # a second reader: over the limit, for now
+            in_use = {**first, **second}
+            assert set(cache.held) == set(in_use)
+            for (f, _), (fd, _) in in_use.items():  # none was closed (nor its number reused)
+                assert os.fstat(fd).st_ino == paths[f].stat().st_ino
+        assert set(cache.held) == {(0, False), (1, False)}  # back within the limit
+    with cache.pinned([(3, False)]):
+        assert list(cache.held) == [(1, False), (3, False)]  # the least recently used went
+    cache.close_all()
+    assert not cache.held
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["aggregated", "direct"])
+def test_a_directory_of_more_files_than_descriptors_is_read(comm, shared_tmp, mode):
+    """Before, every file read stayed open until close: EMFILE once the files outnumbered
+    RLIMIT_NOFILE."""
+    root, count = shared_tmp / "many", 300
+    if comm.Get_rank() == 0:
+        root.mkdir()
+        for i in range(count):
+            (root / f"f{i:03d}").write_bytes(sample_bytes(i, 64))
+    comm.Barrier()
+    expected = [sample_bytes(i, 64) for i in range(count)]
+    config = config_for(comm, shared_tmp, **MODES[mode])
+    allowed = len(os.listdir("/proc/self/fd")) + 64  # far fewer than the files
+    with (
+        soft_limit(resource.RLIMIT_NOFILE, allowed),
+        bbio.open_dataset(comm, root, config=config) as ds,
+    ):
+        assert [g.tobytes() for g in ds.read(np.arange(count))] == expected
+        with bbio.Loader(comm, ds, batch_size=40, seed=0, prefetch=2) as loader:
+            for batch in loader:
+                assert [b.tobytes() for b in batch] == [expected[i] for i in loader.indices]
+        assert len(ds._descriptors.held) <= ds._descriptors.limit == allowed // 4
+
+
+# ------------------------------------------------------------ memory
+
+
+def address_space_in_use() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)  # before the fix the other ranks hung
+@pytest.mark.parametrize("short", ["aggregator", "reader"])
+def test_a_rank_that_cannot_allocate_its_read_is_one_error_everywhere(comm, shared_tmp, short):
+    """One node, so rank 0 alone aggregates; the last rank asks for 512 MiB of a sparse
+    file.  The aggregator's buffer, or the reader's samples, cannot be allocated."""
+    path, record = shared_tmp / "sparse.raw", 1 << 20
+    if comm.Get_rank() == 0:
+        with open(path, "wb") as f:
+            f.truncate(1024 * record)  # sparse
+    comm.Barrier()
+    config = dataclasses.replace(
+        config_for(comm, shared_tmp, **MODES["aggregated"]), ranks_per_node=comm.Get_size()
+    )
+    short_rank = 0 if short == "aggregator" else comm.Get_size() - 1
+    ids = np.arange(512) if last_rank(comm) else []
+    with bbio.open_dataset(comm, path, record_bytes=record, config=config) as ds:
+        headroom = address_space_in_use() + (128 << 20)
+        with pytest.raises(bbio.BBIOError) as info:
+            if comm.Get_rank() == short_rank:
+                with soft_limit(resource.RLIMIT_AS, headroom):
+                    ds.read(ids)
+            else:
+                ds.read(ids)
+        message = same_everywhere(comm, info.value)
+        what = "the aggregator's read buffer" if short == "aggregator" else "the 512 samples"
+        assert f"rank {short_rank}, node 0: cannot allocate 536870912 bytes" in message
+        assert what in message and "smaller batch_size" in message, message
+        assert ds.read([1] if last_rank(comm) else []).shape[1:] == (record,)  # still in step
+
+
+# ------------------------------------------------------------ many samples
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_raw_file_of_more_samples_than_one_message_describes_is_read(comm, shared_tmp):
+    """2**27 one-byte records: their extent table (20 bytes each) was 2.7 GB on every rank,
+    and broadcasting it was refused by MPI; fixed-size extents are now computed."""
+    path, count = shared_tmp / "many.raw", 2**27
+    marks = {0: 7, 12_345_678: 9, count - 1: 11}
+    if comm.Get_rank() == 0:
+        with open(path, "wb") as f:
+            f.truncate(count)  # sparse
+            for at, value in marks.items():
+                f.seek(at)
+                f.write(bytes([value]))
+    comm.Barrier()
+    config = config_for(comm, shared_tmp)
+    with bbio.open_dataset(comm, path, record_bytes=1, config=config) as ds:
+        assert len(ds) == count
+        assert len(pickle.dumps(ds.layout)) < 2048
+        assert ds.read(list(marks)).ravel().tolist() == list(marks.values())
+
+
+@pytest.mark.mpi(min_size=2)
+def test_an_hdf5_dataset_is_shared_in_a_few_bytes_whatever_its_length(comm, shared_tmp):
+    path = shared_tmp / "long.h5"
+    if comm.Get_rank() == 0:
+        with h5py.File(path, "w") as f:
+            f.create_dataset("x", data=np.arange(200_000, dtype=np.int32))
+    comm.Barrier()
+    with bbio.open_dataset(comm, path, config=config_for(comm, shared_tmp)) as ds:
+        assert len(pickle.dumps(ds.layout)) < 2048
+        assert ds.read([199_999, 3]).tolist() == [199_999, 3]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_pack_too_large_to_share_at_open_is_one_usage_error(comm, shared_tmp, monkeypatch):
+    """Its offsets and sizes travel in one MPI message; here one of at most 1,000 bytes."""
+    monkeypatch.setattr(bbio.read.datasets, "MAX_MESSAGE_BYTES", 1000)
+    root = shared_tmp / "pfs"
+    if comm.Get_rank() == 0:
+        (root / "src").mkdir(parents=True)
+        for i in range(80):
+            (root / "src" / f"s{i:02d}").write_bytes(sample_bytes(i, 10))
+    comm.Barrier()
+    config = config_for(comm, shared_tmp)
+    bbio.pack(comm, root / "src", root / "packed", config=config)
+    with pytest.raises(bbio.UsageError) as info:
+        bbio.open_dataset(comm, root / "packed", config=config).close()
+    message = same_everywhere(comm, info.value)
+    assert "the pack's 80 samples are too many to share at open" in message, message
+    assert "several packs" in message, message
