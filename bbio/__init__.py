@@ -21,6 +21,7 @@ from bbio.errors import (
     NoSpaceError,
     NotDirectoryError,
     NotFoundError,
+    OutOfMemoryError,
     PermissionDeniedError,
     UsageError,
 )
@@ -48,6 +49,7 @@ __all__ = [
     "NoSpaceError",
     "NotDirectoryError",
     "NotFoundError",
+    "OutOfMemoryError",
     "PackSummary",
     "PermissionDeniedError",
     "ReadStats",

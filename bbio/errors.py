@@ -101,6 +101,10 @@ class IOFailure(BBIOError, OSError):
     """Any other operating-system error during I/O."""
 
 
+class OutOfMemoryError(BBIOError, MemoryError):
+    """Memory a call needs could not be allocated."""
+
+
 class IntegrityError(BBIOError):
     """Bytes did not match their recorded size or CRC32C."""
 
@@ -183,6 +187,7 @@ CLASSES_BY_NAME: dict[str, type[BBIOError]] = {
         NotDirectoryError,
         NoSpaceError,
         IOFailure,
+        OutOfMemoryError,
         IntegrityError,
         CollectiveError,
         BBIOTimeoutError,

@@ -53,6 +53,7 @@ from bbio.errors import (
     DependencyError,
     IntegrityError,
     NotFoundError,
+    OutOfMemoryError,
     UsageError,
     from_oserror,
 )
@@ -839,7 +840,7 @@ class Dataset:
     ) -> tuple[np.ndarray | list[np.ndarray], np.ndarray]:
         """(out, target): what a read of samples of ``lengths`` returns, and the bytes it is
         made of, sample i's at ``places[i]`` (back to back, in order).  Not collective; a
-        :class:`BBIOError` if the memory cannot be had."""
+        :class:`OutOfMemoryError` if the memory cannot be had."""
         with self._allocating(
             int(lengths.sum()), f"the {lengths.size} samples this rank asked for"
         ):
@@ -852,12 +853,12 @@ class Dataset:
 
     @contextmanager
     def _allocating(self, nbytes: int, what: str) -> Iterator[None]:
-        """Turn a failure to allocate ``nbytes`` for ``what`` into a :class:`BBIOError` naming
-        them and this rank.  Not collective."""
+        """Turn a failure to allocate ``nbytes`` for ``what`` into an :class:`OutOfMemoryError`
+        naming them and this rank.  Not collective."""
         try:
             yield
         except MemoryError:
-            raise BBIOError(
+            raise OutOfMemoryError(
                 f"cannot allocate {nbytes} bytes ({nbytes / 2**20:.1f} MiB) for {what}: "
                 "out of memory",
                 path=self.path,
