@@ -179,13 +179,14 @@ def test_a_rank_failing_in_a_rewrite_fails_the_save_everywhere_and_the_next_save
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 def test_a_spare_counts_as_room_in_a_burst_buffer_that_holds_four_files(comm, shared_tmp):
     """Both nodes' burst buffers share a tmpfs that holds a checkpoint and a spare per node
-    and 1.5 MiB more: less than a save needs beside them, enough once its spare counts."""
+    and 2.5 MiB more: less than a save needs beside them (its arrays and 1 MiB for HDF5,
+    reserved before HDF5 writes), enough once its spare counts."""
     rpn = comm.Get_size() // 2
     per_node = rpn * (2 << 20)  # a 2 MiB array per rank
     small = shared_tmp / "fourfiles"
     if comm.Get_rank() == 0:
         small.mkdir()
-        size = f"size={4 * per_node + (3 << 19)}"
+        size = f"size={4 * per_node + (5 << 19)}"
         subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(small)], check=True)
     comm.Barrier()
     try:

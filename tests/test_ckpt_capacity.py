@@ -95,3 +95,90 @@ def test_large_attrs_count_in_the_room_a_save_needs(comm, shared_tmp, caplog):
             small = ckpt.save(2, rank_state(2, rank, 2 * MiB, comm), attrs={"notes": "short"})
             assert not small.direct  # the same arrays fit without the attrs
             small.wait(timeout=60)
+
+
+def fill(path: Path) -> Path:
+    """Write into ``path``'s file system until it is full, as another process of the job
+    might; returns the file written."""
+    filler = path / "another-process-data"
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\1" * (256 << 10))
+    return filler
+
+
+def test_long_keys_count_in_the_room_a_save_needs(comm, shared_tmp):
+    """HDF5's metadata for a long key outgrew the estimate (1 MiB per file, 4 KiB per
+    array): the save passed the check, then HDF5 met the full burst buffer while it
+    closed the file, and the save could hang (on 4 ranks) or crash."""
+    key = "k" * 1_400_000
+    with small_burst_buffers(comm, shared_tmp, "3m") as bb_root:
+        config = config_for(comm, shared_tmp, bb_root=bb_root)
+        with bbio.Checkpointer(comm, "long", config=config) as ckpt:
+            handle = ckpt.save(1, {key: np.arange(4) + comm.Get_rank()})
+            assert handle.direct
+            step, arrays, _ = ckpt.restore()
+            assert step == 1 and np.array_equal(arrays[key], np.arange(4) + comm.Get_rank())
+
+
+def test_a_burst_buffer_another_process_fills_during_a_save(comm, shared_tmp, monkeypatch):
+    """Node 0's burst buffer fills after its ranks wrote their arrays, before HDF5 writes
+    its metadata.  Before, every rank raised "Unable to flush cached data" and the node's
+    ranks then crashed (HDF5 could not close the file); now the node file's room was
+    reserved before HDF5 wrote a byte, and the save succeeds."""
+    from bbio.checkpoint import writer
+
+    rank = comm.Get_rank()
+    fillers = []
+    if rank == 0:
+        set_root_attrs = writer._set_root_attrs
+
+        def filling_first(*args, **kwargs):
+            if not fillers:
+                fillers.append(fill(shared_tmp / "smallbb" / "0"))
+            return set_root_attrs(*args, **kwargs)
+
+        monkeypatch.setattr(writer, "_set_root_attrs", filling_first)
+    state = {f"layer{i}/weight": np.full(64, i + rank, np.float32) for i in range(50)}
+    with small_burst_buffers(comm, shared_tmp, "4m") as bb_root:
+        config = config_for(comm, shared_tmp, bb_root=bb_root, ckpt_recycle="off")
+        with bbio.Checkpointer(comm, "filled", config=config) as ckpt:
+            handle = ckpt.save(1, state)
+            assert not handle.direct
+            assert comm.allreduce(len(fillers)) == 1
+            step, arrays, _ = ckpt.restore()
+            assert step == 1 and all(np.array_equal(arrays[k], v) for k, v in state.items())
+            for filler in fillers:
+                filler.unlink()
+            handle.wait(timeout=60)
+
+
+def test_a_burst_buffer_full_before_the_file_is_made_is_one_error(comm, shared_tmp, monkeypatch):
+    """Node 0's burst buffer fills between the free-space check and the write: a clear
+    NoSpaceError on every rank, before HDF5 opens the file, and a later save works."""
+    from bbio.checkpoint import checkpointer
+
+    rank = comm.Get_rank()
+    fillers = []
+    if rank == 0:
+        write_node_file = checkpointer.write_node_file
+
+        def filling_first(*args, **kwargs):
+            fillers.append(fill(shared_tmp / "smallbb" / "0"))
+            return write_node_file(*args, **kwargs)
+
+        monkeypatch.setattr(checkpointer, "write_node_file", filling_first)
+    with small_burst_buffers(comm, shared_tmp, "4m") as bb_root:
+        config = config_for(comm, shared_tmp, bb_root=bb_root, ckpt_recycle="off")
+        with bbio.Checkpointer(comm, "full", config=config) as ckpt:
+            with pytest.raises(bbio.NoSpaceError) as info:
+                ckpt.save(1, {"w": np.full(1024, rank, np.uint8)})
+            messages = comm.allgather(str(info.value))
+            assert len(set(messages)) == 1 and "cannot reserve" in messages[0], messages
+            monkeypatch.undo()
+            for filler in fillers:
+                filler.unlink()
+            comm.Barrier()
+            ckpt.save(2, {"w": np.full(1024, rank, np.uint8)}).wait(timeout=60)
+            step, arrays, _ = ckpt.restore()
+            assert step == 2 and np.array_equal(arrays["w"], np.full(1024, rank, np.uint8))

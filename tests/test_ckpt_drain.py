@@ -1160,6 +1160,14 @@ def test_ordinary_state_keys_are_accepted(key):
     assert layout.check_key(key) == key
 
 
+def test_state_keys_nested_beyond_64_parts_are_refused():
+    """A key of 3,000 parts was saved, and its checkpoint never committed: the drain's
+    walk of the node file (HDF5's) slows with the cube of the nesting."""
+    assert layout.check_key("/".join(["g"] * 64)) == "/".join(["g"] * 64)
+    with pytest.raises(UsageError, match="has 65 parts joined by '/': at most 64"):
+        layout.check_key("/".join(["g"] * 65))
+
+
 def test_overlapping_boxes_are_found_but_replicas_and_empty_boxes_are_not():
     rows = [((0, 0), (3, 2)), ((3, 0), (3, 2)), ((6, 0), (3, 2))]
     assert layout.first_overlap(rows) is None

@@ -275,6 +275,19 @@ def test_preallocate_reserves_blocks_and_skips_small_files(tmp_path):
         os.close(fd)
 
 
+def test_preallocate_keeping_the_size_reserves_blocks_a_truncate_frees(tmp_path):
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.write(fd, b"x" * 100)
+        assert _native.preallocate(fd, 3 << 20, at_least=0, keep_size=True)
+        st = os.fstat(fd)
+        assert st.st_size == 100 and st.st_blocks * 512 >= 3 << 20
+        os.ftruncate(fd, 100)
+        assert os.fstat(fd).st_blocks * 512 < 1 << 20
+    finally:
+        os.close(fd)
+
+
 def test_copy_range_full_device_names_destination(tmp_path):
     src = write_file(tmp_path / "src", random_bytes(100_000))
     sfd = os.open(src, os.O_RDONLY)

@@ -52,7 +52,9 @@ log = logging.getLogger("bbio")
 _OPEN: weakref.WeakValueDictionary[str, Checkpointer] = weakref.WeakValueDictionary()
 
 FILE_OVERHEAD_BYTES = 1 << 20  # HDF5 metadata, per node file, generously ...
-DATASET_OVERHEAD_BYTES = 4 << 10  # ... and per dataset (about 1.4 KiB each when new)
+DATASET_OVERHEAD_BYTES = 4 << 10  # ... and per dataset (about 1.4 KiB each when new) ...
+GROUP_OVERHEAD_BYTES = 2 << 10  # ... and per group of its key's path (about 1.1 KiB) ...
+KEY_BYTES_PER_BYTE = 8  # ... and per byte of its key (links, heaps, the CRC attribute)
 MAX_WAIT_POLL_SECONDS = 0.01  # the BB journal is asked: cheap; the PFS only with no drain running
 RESTORE_LISTINGS = 3  # a restore lists again when every copy failed: one may have been retired
 TOLD_WAIT_POLL_SECONDS = 0.1  # the drain tells of each new status: asked anyway this often
@@ -191,6 +193,18 @@ class CheckpointInfo:
     bb: str  # "all nodes", "nodes [0, 2]", "nodes [0, 1], of different saves (...)" or "-"
     pfs: str  # "committed", "draining", "damaged manifest",
     # "damaged node N", "damaged task N" or "-"
+
+
+def dataset_bytes(key: str, nbytes: int) -> int:
+    """What a rank's array of ``key`` and ``nbytes`` bytes takes in a node file, HDF5's
+    metadata for it included, generously.  Not collective."""
+    groups = key.count("/") + 1  # the key's path, the last part a group of the ranks' arrays
+    return (
+        nbytes
+        + DATASET_OVERHEAD_BYTES
+        + GROUP_OVERHEAD_BYTES * groups
+        + KEY_BYTES_PER_BYTE * len(key.encode())
+    )
 
 
 class Checkpointer:
@@ -419,7 +433,7 @@ class Checkpointer:
         free: dict[int, int] = {}
         for theirs in checked:
             need[theirs.node] += sum(
-                DATASET_OVERHEAD_BYTES + entry["bytes"] for entry in theirs.spec.values()
+                dataset_bytes(key, entry["bytes"]) for key, entry in theirs.spec.items()
             )
             if theirs.free is not None:
                 free[theirs.node] = theirs.free
@@ -466,6 +480,7 @@ class Checkpointer:
                     ),
                     recycled,
                     temp,
+                    reserve=0 if direct else need[self.node],
                 )
             with agreed(comm, f"checkpoint {self.name} step {step}: recording"):
                 if self.topo.is_leader:

@@ -36,6 +36,7 @@ CKPT_DIR = "ckpt"
 MAX_STEP = 2**64 - 1  # a node file's "step" attribute is a 64-bit HDF5 integer
 MAX_EXTENT = 2**63 - 1  # NumPy's largest dimension
 MAX_DIMENSIONS = 32  # HDF5's largest rank (H5S_MAX_RANK)
+MAX_KEY_PARTS = 64  # a key's '/'-joined parts: the groups it nests in a node file
 NAME_MAX = 255  # bytes in a file name: a checkpoint's name is a directory's
 CRC_ATTR = "crc32c"  # root attribute of a node file: {dataset: CRC32C of its bytes}, JSON
 PER_RANK, GLOBAL = "per-rank", "global"
@@ -182,6 +183,13 @@ def check_key(key: str) -> str:
     rewrite it: no empty, ``.`` or ``..`` part, no NUL, UTF-8) and apart from the ranks'
     datasets."""
     parts = key.split("/") if is_text_name(key) else [""]
+    if len(parts) > MAX_KEY_PARTS:
+        raise UsageError(
+            f"state key {key[:60]!r}... has {len(parts)} parts joined by '/': at most "
+            f"{MAX_KEY_PARTS} (HDF5's walk of a file, which the drain and restore do, slows "
+            "with the cube of the depth)",
+            hint="join some parts with another character, e.g. '.'",
+        )
     if any(p in ("", ".", "..") or _RANK_PART.fullmatch(p) for p in parts):
         raise UsageError(
             f"invalid state key {key!r}",

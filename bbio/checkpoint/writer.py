@@ -29,6 +29,9 @@ in the burst buffer) is deleted, and the file laid out anew.
 from __future__ import annotations
 
 import contextlib
+import errno
+import functools
+import io
 import itertools
 import json
 import logging
@@ -55,7 +58,7 @@ from bbio.checkpoint.layout import (
     shard_parts,
     uncovered,
 )
-from bbio.errors import DependencyError, IntegrityError, UsageError
+from bbio.errors import DependencyError, IntegrityError, UsageError, error_class_for_errno
 from bbio.mpi import agreed_error, describe_error
 from bbio.transfer import files
 
@@ -143,6 +146,7 @@ def write_node_file(
     attrs: Mapping[str, Any],
     recycled: bool = False,
     temp: Path | None = None,
+    reserve: int = 0,
 ) -> tuple[int, int] | None:
     """Collective over ``node_comm``: write the node's checkpoint file at ``path``.
 
@@ -153,7 +157,11 @@ def write_node_file(
     this very layout, to be rewritten in place if rank 0 finds every dataset
     in it as expected (else the file is laid out anew).  ``temp``: the name the
     file is written under before its rename (the same on every rank; default
-    :func:`files.temp_path`).  Returns the file's size and CRC32C on the
+    :func:`files.temp_path`).  ``reserve``, read on the node's rank 0: the bytes the
+    file is given on the device before HDF5 writes any (:func:`_reserve_new_file`; a
+    spare's too, :func:`_open_spare`): a device too full for them is a
+    :class:`NoSpaceError` before any collective HDF5 call, which HDF5 could not
+    survive.  Returns the file's size and CRC32C on the
     node's rank 0, once the file is durable under its final name there (the
     CRC32C from the arrays' own, combined with those of the bytes HDF5 wrote
     around them, read back: a few pages); other ranks return None before
@@ -165,11 +173,12 @@ def write_node_file(
     h5py = _h5py()
     temp = files.temp_path(path) if temp is None else temp
     leader = node_comm.Get_rank() == 0
-    spare = _open_spare(h5py, temp, node_specs) if leader and recycled else None
+    spare = _open_spare(h5py, temp, node_specs, reserve) if leader and recycled else None
     datasets = _node_datasets(node_specs)
     try:
         offsets = _share_offsets(node_comm, datasets, None if spare is None else spare[1])
         if offsets is None:
+            _reserve_new_file(node_comm, temp, reserve)
             extents = _write_new_file(
                 h5py, node_comm, temp, rank, arrays, node_specs, datasets, attrs
             )
@@ -193,10 +202,11 @@ def write_node_file(
         for owner, spec in node_specs
         for key, entry in spec.items()
     }
-    fd = os.open(temp, os.O_RDONLY)
+    fd = os.open(temp, os.O_RDWR)
     try:
-        os.fsync(fd)
         size = os.fstat(fd).st_size
+        os.ftruncate(fd, size)  # frees what the reservation held beyond the file's end
+        os.fsync(fd)
         known = [(at, sizes[name], crc) for name, (crc, at) in extents.items() if at != NO_OFFSET]
         crc = files.checksum_around(fd, temp, size, known)
     finally:
@@ -221,7 +231,7 @@ def _write_new_file(
     dataset (:func:`_gather_extents`), or None if another rank's write failed (this
     rank's failure is raised once the file is closed).  ``datasets``:
     :func:`_node_datasets` of ``node_specs``."""
-    with h5py.File(temp, "w", driver="mpio", comm=node_comm) as f:
+    with h5py.File(temp, "r+", driver="mpio", comm=node_comm) as f:
         _create_datasets(h5py, f, node_specs)
         extents = _gather_extents(
             node_comm,
@@ -232,6 +242,51 @@ def _write_new_file(
         if extents is not None:  # else a rank failed: it raises, after the collective close
             _set_root_attrs(h5py, f, attrs, extents)
     return extents
+
+
+def _reserve_new_file(node_comm, temp: Path, reserve: int) -> None:
+    """Collective over ``node_comm``: rank 0 writes an empty HDF5 file at ``temp``
+    (:func:`_empty_hdf5_image`, which the node's ranks then open together) and reserves
+    ``reserve`` bytes of the device for it, its size unchanged (the leader truncates
+    what was not used once the file is written).  HDF5 that meets a full device while
+    it writes or closes a file cannot close it: the save hung, or the ranks crashed.
+    A device without room is one :class:`NoSpaceError` on every rank of the node
+    instead, before HDF5 opens the file, and ``temp`` is removed."""
+    failure = np.zeros(1, dtype=np.int64)  # the errno of rank 0's failure, else 0
+    if node_comm.Get_rank() == 0:
+        try:
+            fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, _empty_hdf5_image())
+                _native.preallocate(fd, reserve, at_least=0, keep_size=True)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            failure[0] = exc.errno or errno.EIO
+            with contextlib.suppress(OSError):
+                temp.unlink()
+    node_comm.Bcast(failure, root=0)
+    if failure[0]:
+        code = int(failure[0])
+        raise error_class_for_errno(code)(
+            f"cannot reserve {reserve} bytes in the burst buffer for the node's file: "
+            f"{os.strerror(code)} (the free-space check before the save passed: something "
+            "else wrote to the burst buffer meanwhile)",
+            path=temp,
+            errno=code,
+            hint="free space in the burst buffer, then save again (a save the burst buffer "
+            "cannot hold goes straight to the PFS)",
+        )
+
+
+@functools.cache
+def _empty_hdf5_image() -> bytes:
+    """The bytes of an HDF5 file with nothing in it, as h5py creates one by default."""
+    h5py = _h5py()
+    image = io.BytesIO()
+    with h5py.File(image, "w"):
+        pass
+    return image.getvalue()
 
 
 def _node_datasets(node_specs: Sequence[tuple[int, Mapping[str, dict]]]) -> list[list[str]]:
@@ -340,15 +395,23 @@ def _overwrite_attr(h5py, owner, name: str, value: Any) -> bool:
     return True
 
 
-def _open_spare(h5py, temp: Path, node_specs: Sequence[tuple[int, Mapping[str, dict]]]):
-    """The node's rank 0: open the recycled file ``temp`` (alone: only its root
-    attributes will change) and check that it holds the datasets of ``node_specs``
-    and nothing else (:func:`_spare_offsets`).  Returns the open file and the
-    datasets' offsets; or None, said in the log, once ``temp`` is deleted, for the
-    file to be laid out anew (a reader of the old file keeps it).  Never raises:
-    the node's other ranks wait for its answer."""
+def _open_spare(
+    h5py, temp: Path, node_specs: Sequence[tuple[int, Mapping[str, dict]]], reserve: int
+):
+    """The node's rank 0: reserve ``reserve`` bytes of the device for the recycled file
+    ``temp`` (its rewritten attributes grow it: HDF5 must not meet a full device when it
+    closes it), open it (alone: only its root attributes will change) and check that it
+    holds the datasets of ``node_specs`` and nothing else (:func:`_spare_offsets`).
+    Returns the open file and the datasets' offsets; or None, said in the log, once
+    ``temp`` is deleted, for the file to be laid out anew (a reader of the old file
+    keeps it).  Never raises: the node's other ranks wait for its answer."""
     f = None
     try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            _native.preallocate(fd, reserve, at_least=0, keep_size=True)
+        finally:
+            os.close(fd)
         f = h5py.File(temp, "r+", locking="best-effort")
         return f, _spare_offsets(h5py, f, node_specs)
     except Exception as exc:
