@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 import bbio
 from bbio.config import Config
 from bbio.report import format_bytes
+from bbio.stage import registry as stage_registry
 from bbio.stage import run as stage_run
 from bbio.stage.pack import INDEX_NAME, read_index
 from bbio.stage.walk import walk
@@ -541,3 +543,41 @@ def test_a_registry_that_cannot_be_written_fails_no_stage_in(comm, shared_tmp, t
     assert files_under(shared_tmp / "dst" / str(node)) == contents
     if comm.Get_rank() % (comm.Get_size() // 2) == 0:  # a node's leader writes its registry
         assert "could not be written" in caplog.text and str(unwritable) in caplog.text
+        assert "reads the PFS" in caplog.text
+
+
+def test_a_registry_that_cannot_be_written_and_names_another_copy_fails_the_stage_in(
+    comm, shared_tmp, monkeypatch, caplog
+):
+    """The registry still sends readers of the source to an earlier copy (d1) when it cannot
+    record the new one (d2): before, a warning said they read the PFS, and open_dataset
+    served d1's stale bytes.  Staged again into d1, the copy the registry names, only a
+    warning says the registry could not be written."""
+    config = two_nodes(comm, shared_tmp)
+    src = shared_tmp / "pfs" / "ds"
+    if comm.Get_rank() == 0:
+        src.mkdir(parents=True)
+        (src / "s0.bin").write_bytes(b"OLD sample bytes")
+    comm.Barrier()
+    d1 = shared_tmp / "bb" / "{node}" / "d1"
+    bbio.stage_in(comm, src, d1, config=config)
+    if comm.Get_rank() == 0:
+        (src / "s0.bin").write_bytes(b"NEW sample bytes")
+    comm.Barrier()
+
+    def read_only(*args) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(stage_registry, "record", read_only)
+    with pytest.raises(bbio.PermissionDeniedError) as info:
+        bbio.stage_in(comm, src, shared_tmp / "d2" / "{node}", config=config)
+    message = str(info.value)
+    assert same_on_all_ranks(comm, message)
+    registry_of_node_0 = stage_registry.registry_path(shared_tmp / "bb" / "0")
+    assert str(registry_of_node_0) in message
+    assert str((shared_tmp / "bb" / "0" / "d1").resolve()) in message and "Stage in to" in message
+    with caplog.at_level("WARNING", logger="bbio"):
+        again = bbio.stage_in(comm, src, d1, config=config)
+    assert again.files == 2  # s0.bin on each node
+    if comm.Get_rank() % (comm.Get_size() // 2) == 0:  # a node's leader writes its registry
+        assert "could not be written" in caplog.text and "already names" in caplog.text

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import bbio
+from bbio.stage import plan
 from bbio.stage import run as stage_run
 from tests.test_stage import files_under, same_on_all_ranks, two_nodes
 from tests.test_stage_out import write_on_every_node
@@ -107,3 +108,72 @@ def test_stage_out_again_onto_whole_seconds_is_no_change_of_the_users(comm, shar
     assert repaired.files == 1
     assert files_under(pfs) == {"r0.txt": b"result r0.txt", "r1.txt": b"result r1.txt"}
     assert (pfs / "r1.txt").stat().st_mtime_ns == MTIME_NS - MTIME_NS % SECOND
+
+
+def test_stage_out_again_through_a_symlink_onto_whole_seconds_copies_nothing(
+    comm, shared_tmp, coarse
+):
+    """The PFS directory keeps nanoseconds, but the user's symlink in it, which stage-out
+    writes through, leads to a whole-second file system.  Before, only DST was probed:
+    every rerun refused bbio's own files there as changed on the PFS."""
+    config = two_nodes(comm, shared_tmp)
+    bb, pfs = shared_tmp / "bb" / "{node}" / "out", shared_tmp / "pfs" / "out"
+    for name in ("ckpt/a.txt", "ckpt/b.txt"):
+        write_on_every_node(comm, shared_tmp, "out", name, name.encode(), MTIME_NS)
+    if comm.rank == 0:
+        (coarse / "ckpt").mkdir()
+        pfs.mkdir(parents=True)
+        (pfs / "ckpt").symlink_to(coarse / "ckpt")
+    comm.Barrier()
+    assert bbio.stage_out(comm, bb, pfs, config=config).files == 2
+    again = bbio.stage_out(comm, bb, pfs, verify=True, config=config)
+    assert (again.files, again.unchanged) == (0, 2)
+    assert (pfs / "ckpt").is_symlink()
+    assert sorted(os.listdir(coarse / "ckpt")) == ["a.txt", "b.txt"]  # no probe left
+
+
+def test_a_copy_marked_damaged_before_its_destination_existed_is_copied_again(
+    comm, shared_tmp, coarse, monkeypatch
+):
+    """The first stage-out creates DST on whole seconds (probed as exact: it did not exist
+    yet), and verify marks a damaged copy of a file of mtime 0 (tar --mtime=@0).  Before,
+    the mark (1 ns) was kept as 0, the source's mtime at the rerun's granularity (1 s):
+    the damaged copy was taken as up to date and recorded with its bad CRC32C."""
+    config = two_nodes(comm, shared_tmp)
+    bb, pfs = shared_tmp / "bb" / "{node}" / "out", coarse / "out"
+    write_on_every_node(comm, shared_tmp, "out", "r1.txt", b"result r1 of the job", 0)
+    verify_copies = stage_run._verify_copies
+
+    def damaging_first(comm_, root, *args, **kwargs):
+        damage(comm_, root / "r1.txt")
+        return verify_copies(comm_, root, *args, **kwargs)
+
+    monkeypatch.setattr(stage_run, "_verify_copies", damaging_first)
+    with pytest.raises(bbio.IntegrityError):
+        bbio.stage_out(comm, bb, pfs, verify=True, config=config)
+    monkeypatch.undo()
+    repaired = bbio.stage_out(comm, bb, pfs, verify=True, config=config)
+    assert (repaired.files, repaired.unchanged) == (1, 0)
+    assert files_under(pfs) == {"r1.txt": b"result r1 of the job"}
+
+
+def test_staging_an_unchanged_copy_kept_in_whole_seconds_back_out_rewrites_nothing(
+    comm, shared_tmp, coarse
+):
+    """A burst buffer of whole seconds: the copies carry their sources' mtimes truncated,
+    the PFS originals their nanoseconds.  Before, the first stage-out of the unchanged copy
+    back onto the PFS rewrote every file there (compared at the PFS's granularity)."""
+    config = two_nodes(comm, shared_tmp)
+    pfs, bb = shared_tmp / "pfs" / "proj", coarse / "{node}" / "proj"
+    names = [f"f{i}" for i in range(plan.MTIME_INFERENCE_MIN_FILES)]
+    if comm.rank == 0:
+        pfs.mkdir(parents=True)
+        for name in names:
+            (pfs / name).write_bytes(name.encode())
+            os.utime(pfs / name, ns=(MTIME_NS, MTIME_NS))
+    comm.Barrier()
+    bbio.stage_in(comm, pfs, bb, config=config)
+    for _ in range(2):
+        back = bbio.stage_out(comm, bb, pfs, config=config)
+        assert (back.files, back.unchanged) == (0, len(names))
+    assert {(pfs / name).stat().st_mtime_ns for name in names} == {MTIME_NS}

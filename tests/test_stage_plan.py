@@ -257,8 +257,9 @@ def state(e: Entry) -> DestState:
 def test_stage_out_refuses_what_changed_since_bbio_wrote_or_read_it():
     staged_in, written = f("config.yaml", 10, mtime=5), f("results.txt", 7, mtime=6)
     source = [f("config.yaml", 10, mtime=5), f("results.txt", 9, mtime=8), f("new.txt", 1)]
-    source += [f("theirs.txt", 4, mtime=9), f("marked.txt", 3, mtime=4)]
-    source += [f("read.txt", 3, mtime=4), f("resized.txt", 3, mtime=4)]
+    late = 4 * SECOND  # verify marks a damaged copy of it with mtime 0
+    source += [f("theirs.txt", 4, mtime=9), f("marked.txt", 3, mtime=late)]
+    source += [f("read.txt", 3, mtime=late), f("resized.txt", 3, mtime=late)]
     seen = {
         "config.yaml": DestState(FILE, 12, 7),  # the user's edit since the stage-in
         "results.txt": state(written),  # what the previous stage-out wrote: replaced
@@ -269,10 +270,10 @@ def test_stage_out_refuses_what_changed_since_bbio_wrote_or_read_it():
     }
     by_stage_out = {
         "results.txt": [f("results.txt", 5, mtime=2), written],
-        "marked.txt": [f("marked.txt", 3, mtime=4)],
-        "resized.txt": [f("resized.txt", 3, mtime=4)],
+        "marked.txt": [f("marked.txt", 3, mtime=late)],
+        "resized.txt": [f("resized.txt", 3, mtime=late)],
     }
-    by_stage_in = {"config.yaml": [staged_in], "read.txt": [f("read.txt", 3, mtime=4)]}
+    by_stage_in = {"config.yaml": [staged_in], "read.txt": [f("read.txt", 3, mtime=late)]}
     checked = plan.to_check(source, seen)
     assert checked == [e.path for e in source if e.path != "new.txt"]
     planned = plan.plan_destination(source, seen, by_stage_out, by_stage_in, (), False)
@@ -428,9 +429,8 @@ def test_a_copy_on_whole_seconds_is_up_to_date_and_recorded_only_within_a_second
         assert plan.is_recorded(copy, [], [source], SECOND)
         assert not plan.is_recorded(copy, [source], [source])
     other_second = DestState(FILE, 10, 1_599_999_999 * SECOND)
-    not_on_a_second = DestState(FILE, 10, 1_600_000_000_500_000_000)  # no copy of ours
     resized = DestState(FILE, 11, 1_600_000_000 * SECOND)
-    for copy in (other_second, not_on_a_second, resized):
+    for copy in (other_second, resized):
         assert not plan.up_to_date(source, copy, SECOND)
         assert not plan.is_recorded(copy, [source], [source], SECOND)
     assert plan.to_copy([source], {"a": truncated}, SECOND) == []
@@ -450,16 +450,53 @@ def test_stage_out_onto_whole_seconds_refuses_only_what_changed_there():
     assert planned.changed == ["r.txt"]
 
 
-@pytest.mark.parametrize("granularity", plan.MTIME_GRANULARITIES_NS)
-def test_a_damaged_copys_mtime_is_never_its_sources_at_the_granularity(granularity):
-    for source_mtime in (0, 1, granularity - 1, granularity, granularity + 1, -1, 10**18 + 7):
-        marker = plan.damaged_mtime(source_mtime, granularity)
-        assert marker % granularity == 0  # kept as it is
+SOURCE_MTIMES = (0, 1, SECOND - 1, SECOND, 2 * SECOND - 1, 2 * SECOND, -SECOND, 10**18 + 7)
+
+
+@pytest.mark.parametrize("source_mtime", SOURCE_MTIMES)
+def test_a_damaged_copys_mark_is_never_its_sources_mtime_whatever_the_granularities(source_mtime):
+    """The mark is set by a run that found one granularity and read back by a run that may
+    find another (a destination created by the first run): kept as it is by every file
+    system, it is the source's at none.  Before, a source of mtime 0 was marked 1 ns, kept
+    as 0 on whole seconds: the damaged copy was taken as up to date."""
+    marker = plan.damaged_mtime(source_mtime)
+    assert marker in (0, 4 * SECOND)
+    for granularity in plan.MTIME_GRANULARITIES_NS:
+        assert marker % granularity == 0  # kept as it is there
         assert not plan.same_mtime(marker, source_mtime, granularity)
         copy = DestState(FILE, 3, marker)
         assert plan.is_recorded(copy, [], [f("x", 3, source_mtime)], granularity)
         assert not plan.up_to_date(f("x", 3, source_mtime), copy, granularity)
-    assert (plan.damaged_mtime(0), plan.damaged_mtime(5)) == (1, 0)  # as before on exact ones
+
+
+def test_mtimes_are_one_within_the_granularity_whichever_side_keeps_it_coarsely():
+    """rsync's --modify-window: a coarse source (a burst buffer of whole seconds) and its
+    finer destination (the PFS original) are one too.  Before, only a stored mtime that
+    was a multiple of the granularity could match."""
+    fine, coarse = 1_700_000_000_123_456_789, 1_700_000_000 * SECOND
+    for a, b in ((fine, coarse), (coarse, fine)):
+        assert plan.same_mtime(a, b, SECOND)
+        assert not plan.same_mtime(a, b, 1)
+    assert not plan.same_mtime(fine, coarse - SECOND, SECOND)  # 1.12 s apart
+    assert plan.same_mtime(fine, fine, 1)
+    source = f("a", 10, mtime=coarse)
+    assert plan.up_to_date(source, DestState(FILE, 10, fine), SECOND)
+
+
+@pytest.mark.parametrize("granularity", plan.MTIME_GRANULARITIES_NS)
+def test_a_trees_granularity_is_the_largest_that_divides_every_files_mtime(granularity):
+    base = 1_700_000_002 * SECOND + 987_654_321
+    mtimes = [base - base % granularity + k * granularity for k in range(1, 6)]
+    tree = [Entry("d", DIR, mtime_ns=7), Entry("l", SYMLINK, target="d", mtime_ns=3)]
+    tree += [f(f"d/{i}", 1, mtime=m) for i, m in enumerate(mtimes)]
+    assert plan.tree_mtime_granularity(tree) == granularity
+
+
+def test_a_tree_of_few_files_is_compared_exactly():
+    few = [f(str(i), 1, mtime=(i + 1) * 2 * SECOND) for i in range(plan.MTIME_INFERENCE_MIN_FILES)]
+    assert plan.tree_mtime_granularity(few) == 2 * SECOND
+    assert plan.tree_mtime_granularity(few[1:]) == 1
+    assert plan.tree_mtime_granularity([]) == 1
 
 
 @pytest.mark.parametrize("kind", [FILE, SYMLINK])

@@ -32,6 +32,10 @@ MPI_INT_MAX = 2**31 - 1
 MTIME_GRANULARITIES_NS = (1, 1_000, 1_000_000, 1_000_000_000, 2_000_000_000)
 MTIME_PROBES_NS = (1_500_000_001_987_654_321, 1_500_000_002_987_654_321)
 
+# The fewest files whose mtimes tell a source's granularity (:func:`tree_mtime_granularity`):
+# fewer are compared as they are.
+MTIME_INFERENCE_MIN_FILES = 4
+
 # The attribute of a stage-out's pending record that the manifest written after it names
 # (as its "pending"): a record the manifest names is spent.
 PENDING_TOKEN = "token"
@@ -77,20 +81,35 @@ def mtime_granularity(probes: Iterable[tuple[int, int]]) -> int:
     return 1
 
 
-def same_mtime(stored_ns: int, source_ns: int, granularity_ns: int) -> bool:
-    """Whether a destination that keeps mtimes at ``granularity_ns`` holds the mtime
-    ``source_ns`` as ``stored_ns``: equal, or (granularity above 1 ns) a multiple of the
-    granularity less than one granularity away, as truncating or rounding up leaves it."""
-    return stored_ns == source_ns or (
-        granularity_ns > 1
-        and stored_ns % granularity_ns == 0
-        and abs(stored_ns - source_ns) < granularity_ns
+def tree_mtime_granularity(entries: Iterable[Entry]) -> int:
+    """The granularity (ns) at which the file system of a walked tree seems to keep mtimes,
+    from its ``entries``: the largest of :data:`MTIME_GRANULARITIES_NS` that divides every
+    file's mtime, given at least :data:`MTIME_INFERENCE_MIN_FILES` files; 1 (compare
+    exactly) with fewer.  Inferred, never probed: a source may be read-only.  A tree whose
+    mtimes are all whole seconds on a finer file system (unpacked from tar) is compared at
+    1 s, which is harmless: its copies carry those mtimes, and a file rewritten there since
+    gets sub-second digits, which make the tree compared exactly again."""
+    mtimes = [e.mtime_ns for e in entries if e.kind == FILE]
+    if len(mtimes) < MTIME_INFERENCE_MIN_FILES:
+        return 1
+    return next(
+        granularity
+        for granularity in sorted(MTIME_GRANULARITIES_NS, reverse=True)
+        if all(mtime % granularity == 0 for mtime in mtimes)
     )
 
 
+def same_mtime(a_ns: int, b_ns: int, granularity_ns: int) -> bool:
+    """Whether the mtimes ``a_ns`` and ``b_ns`` are one at ``granularity_ns``, the coarser of
+    the source's and the destination's: equal, or (granularity above 1 ns) less than one
+    granularity apart, as truncating or rounding up leaves them (rsync's
+    ``--modify-window``).  Symmetric: either may be the one kept coarsely."""
+    return a_ns == b_ns or (granularity_ns > 1 and abs(a_ns - b_ns) < granularity_ns)
+
+
 def up_to_date(src: Entry, dst: DestState | None, granularity_ns: int = 1) -> bool:
-    """True if ``dst`` already is this version of ``src`` (same kind, size, mtime at the
-    destination's ``granularity_ns``, target).
+    """True if ``dst`` already is this version of ``src`` (same kind, size, mtime at
+    ``granularity_ns`` (:func:`same_mtime`), target).
 
     A committed copy carries its source's mtime, and never appears under its
     final name before it is complete, so this is enough to skip it on a rerun.
@@ -155,8 +174,8 @@ def kind_changes(entries: Iterable[Entry], dest: Mapping[str, DestState]) -> lis
 def to_copy(
     entries: Iterable[Entry], dest: Mapping[str, DestState], granularity_ns: int = 1
 ) -> list[Entry]:
-    """The files and symlinks of ``entries`` whose destination (keeping mtimes at
-    ``granularity_ns``) is missing or different."""
+    """The files and symlinks of ``entries`` whose destination is missing or different
+    (mtimes compared at ``granularity_ns``)."""
     return [
         e for e in entries if e.kind != DIR and not up_to_date(e, dest.get(e.path), granularity_ns)
     ]
@@ -369,25 +388,23 @@ def differing_copies(
     ]
 
 
-def damaged_mtime(mtime_ns: int, granularity_ns: int = 1) -> int:
-    """The mtime stage-out's verify gives a damaged copy of a file of mtime ``mtime_ns``,
-    on a destination that keeps mtimes at ``granularity_ns``: the first of 0, one and two
-    granularities that it keeps as it is and that is not the source's there
-    (:func:`same_mtime`), so that a rerun copies it again."""
-    return next(
-        marker
-        for marker in (0, granularity_ns, 2 * granularity_ns)
-        if not same_mtime(marker, mtime_ns, granularity_ns)
-    )
+def damaged_mtime(mtime_ns: int) -> int:
+    """The mtime stage-out's verify gives a damaged copy of a file of mtime ``mtime_ns``, so
+    that a rerun copies it again: 0, or 4 s when ``mtime_ns`` is less than 2 s from 0.  A
+    multiple of 2 s, which every granularity of :data:`MTIME_GRANULARITIES_NS` keeps as it
+    is, at least 2 s from ``mtime_ns``, so never :func:`same_mtime` as it at any of them,
+    whichever granularity the run that marks it or the run that reads it found."""
+    coarsest = MTIME_GRANULARITIES_NS[-1]
+    return 0 if abs(mtime_ns) >= coarsest else 2 * coarsest
 
 
 def is_recorded(
     now: DestState, read: Iterable[Entry], written: Iterable[Entry], granularity_ns: int = 1
 ) -> bool:
     """True if the destination's ``now`` is one of the versions bbio ``read`` or ``written``
-    at its path (kind, size and mtime at the destination's ``granularity_ns``, or target),
-    or the copy of a file stage-out ``written`` that its verify marked damaged (same
-    size, :func:`damaged_mtime`)."""
+    at its path (kind, size and mtime at ``granularity_ns``, or target), or the copy of a
+    file stage-out ``written`` that its verify marked damaged (same size, exactly
+    :func:`damaged_mtime`)."""
     written = list(written)
     for v in (*read, *written):
         if v.kind != now.kind:
@@ -401,8 +418,7 @@ def is_recorded(
         ):
             return True
     return now.kind == FILE and any(
-        v.kind == FILE
-        and (now.size, now.mtime_ns) == (v.size, damaged_mtime(v.mtime_ns, granularity_ns))
+        v.kind == FILE and (now.size, now.mtime_ns) == (v.size, damaged_mtime(v.mtime_ns))
         for v in written
     )
 
@@ -411,7 +427,7 @@ def to_check(
     entries: Iterable[Entry], seen: Mapping[str, DestState], granularity_ns: int = 1
 ) -> list[str]:
     """Stage-out: the paths of ``entries`` whose destination (``seen``, also through
-    symlinks; keeping mtimes at ``granularity_ns``) :func:`plan_destination` compares with
+    symlinks; mtimes compared at ``granularity_ns``) :func:`plan_destination` compares with
     what bbio recorded: files and symlinks it holds in another version, and symlinks
     where the source has a directory."""
     return [
@@ -449,7 +465,7 @@ def plan_destination(
     granularity_ns: int = 1,
 ) -> Destination:
     """Stage-out: what copying ``entries`` may do to the destination ``seen`` (its lstat,
-    also through symlinks), which keeps mtimes at ``granularity_ns``.
+    also through symlinks), comparing mtimes at ``granularity_ns``.
 
     ``written`` holds the versions stage-out last wrote at each path (the destination's
     manifest and pending record), ``read`` those the stage-in of the copy read there;

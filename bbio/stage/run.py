@@ -32,6 +32,7 @@ from bbio.errors import (
     IntegrityError,
     NoSpaceError,
     UsageError,
+    error_class_for_errno,
     from_oserror,
 )
 from bbio.mpi import (
@@ -159,10 +160,11 @@ def dest_state(comm, root: Path, paths: Sequence[str]) -> dict[str, plan.DestSta
 
 def probe_mtime_granularity(root: Path, node: int | None = None) -> int:
     """Not collective: the granularity (ns) at which the file system of the destination
-    ``root`` keeps mtimes (:func:`plan.mtime_granularity`), probed on a temporary file in
-    ``root/.bbio``, or else in ``root``, whose mtime is set and read back.  1 (compare
-    exactly) when ``root`` does not exist yet: nothing there is compared.  Raises the
-    bbio error of a failed probe, naming ``node``."""
+    directory ``root`` (or the target of a symlink stage-out follows) keeps mtimes
+    (:func:`plan.mtime_granularity`), probed on a temporary file in ``root/.bbio``, or else
+    in ``root``, whose mtime is set and read back.  1 (compare exactly) when ``root`` does
+    not exist yet: nothing there is compared.  Raises the bbio error of a failed probe,
+    naming ``node``."""
     where = root / META_DIR if os.path.isdir(root / META_DIR) else root
     if not os.path.isdir(where):
         return 1
@@ -189,24 +191,44 @@ def probe_mtime_granularity(root: Path, node: int | None = None) -> int:
 
 def _record_staged(bb_dir: Path, src: Path, dst_root: Path, node: int) -> None:
     """Record in ``bb_dir``'s registry that ``src`` is staged at ``dst_root``, for readers
-    that open ``src``.  A registry that cannot be written (``bb_root`` elsewhere, not
-    writable) fails nothing: the copy is whole, and readers read ``src`` from the PFS
-    until a stage-in records it; a warning says so.  Not collective."""
+    that open ``src``.  Not collective.
+
+    A registry that cannot be written (``bb_root`` elsewhere, not writable) fails the
+    stage-in only if it still sends readers of ``src`` to another copy (an earlier
+    stage-in's, maybe stale): the bbio error of the failed write, naming the registry,
+    that copy and what to do.  Otherwise the copy is whole, and a warning says what a
+    reader of ``src`` reads (the PFS, or this copy, which the registry already names).
+    A damaged registry raises its own :class:`IntegrityError`."""
     try:
         registry.record(bb_dir, src, dst_root)
     except OSError as exc:
+        where, here = registry.registry_path(bb_dir), dst_root.resolve()
+        hit = registry.lookup(bb_dir, src)
+        read = None if hit is None else hit[1] / os.path.relpath(os.path.realpath(src), hit[0])
+        if read is not None and read != here:
+            raise error_class_for_errno(exc.errno)(
+                f"{src} is staged at {here}, but the registry of staged copies could not be "
+                f"written ({exc}), and it still sends a reader that opens {src} to {read}, "
+                "an earlier copy that may be stale",
+                path=where,
+                node=node,
+                hint=f"stage in to {read} instead (the copy the registry names), or let "
+                f"this job write {where} and stage in again; open {here} to read this copy",
+                errno=exc.errno,
+            ) from None
         log.warning(
             "stage-in: node %d: %s is staged at %s, but the registry %s, which tells "
             "open_dataset to read the staged copy, could not be written (%s): a reader that "
-            "opens %s reads the PFS; open %s instead, or set bb_root to a directory this "
-            "job can write",
+            "opens %s reads %s; open %s instead, or set bb_root to a directory this job "
+            "can write",
             node,
             src,
-            dst_root,
-            registry.registry_path(bb_dir),
+            here,
+            where,
             exc,
             src,
-            dst_root,
+            "the PFS" if read is None else "this copy, which the registry already names",
+            here,
         )
 
 
@@ -753,7 +775,6 @@ def _verify_copies(
     entries: dict[str, Entry],
     node: int | None,
     delete: bool,
-    granularity_ns: int = 1,
 ) -> None:
     """Collective over ``comm``: re-read the files of ``crcs`` from the device and compare
     with ``entries`` (as committed).
@@ -762,9 +783,8 @@ def _verify_copies(
     source's size and mtime: with ``delete`` (burst-buffer copies, which the
     reader would otherwise still serve) it is deleted, and withdrawn from the
     manifest ``root`` has (by ``comm``'s first rank), else (a stage-out's
-    destination, the user's results) its mtime is set to 0 (:func:`plan.damaged_mtime`
-    at the destination's ``granularity_ns``) and its bytes kept.  The source is
-    never touched.
+    destination, the user's results) its mtime is set to :func:`plan.damaged_mtime` (0, or
+    4 s for a source within 2 s of 0) and its bytes kept.  The source is never touched.
     """
 
     def check() -> list[tuple[str, str]]:
@@ -776,7 +796,7 @@ def _verify_copies(
                     if delete:
                         (root / path).unlink()
                     else:  # an mtime no source has now, so that the rerun sees it differ
-                        stale = plan.damaged_mtime(entries[path].mtime_ns, granularity_ns)
+                        stale = plan.damaged_mtime(entries[path].mtime_ns)
                         os.utime(root / path, ns=(stale, stale), follow_symlinks=False)
                 except OSError as exc:
                     raise from_oserror(exc, "mark the damaged copy", root / path) from None
@@ -796,7 +816,7 @@ def _verify_copies(
             files.withdraw_entries(root, committed, [path for path, _ in found])
     bad = [message for _, message in found]
     if bad:
-        done = "were deleted" if delete else "were marked (mtime 0) to be copied again"
+        done = "were deleted" if delete else "were marked (mtime 0 or 4 s) to be copied again"
         raise IntegrityError(
             f"{len(bad)} file(s) differ from what was copied and {done}: " + "; ".join(bad[:10]),
             node=node,
@@ -911,6 +931,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     tree = walk(comm, src, include, exclude, listers)
     problems = check_readable(tree, skip_unreadable, str(src))
     entries = plan.without(tree.entries, {p.path for p in problems})
+    granularity = max(granularity, plan.tree_mtime_granularity(entries))  # and the source's
     skipped = tree.skipped + problems
     holder = (
         plan.assign_nodes([e for e in entries if e.kind == FILE], topo.nodes)
@@ -1066,8 +1087,8 @@ def stage_out(
     Every rank must pass the same arguments, every node must hold ``src``, and
     ``dst`` (one directory for all nodes: no ``{node}``) must not lie inside a
     node's ``src``: else every rank raises the same error.  A copy that
-    ``verify`` finds damaged is kept with its mtime set to 0 (1 if the source's is
-    0), so that a rerun copies it again.
+    ``verify`` finds damaged is kept with its mtime set to 0 (4 s if the source's is
+    within 2 s of 0), so that a rerun copies it again.
     """
     config = config or load_config()
     agree_on_arguments(
@@ -1190,6 +1211,19 @@ def _leading_out(comm, root: Path, links: Sequence[str]) -> set[str]:
     return comm.bcast(found, root=0)
 
 
+def _probe_outward(comm, root: Path, outward: Iterable[str]) -> int:
+    """Collective over ``comm``: the coarsest mtime granularity (ns) of the directories the
+    symlinks ``outward`` under ``root`` lead to (:func:`probe_mtime_granularity`, by rank
+    0), which may lie on other file systems than ``root``; 1 without any.  A probe that
+    fails is every rank's error."""
+    granularity = 1
+    with agreed(comm, f"stage-out: probing the mtimes kept where the symlinks of {root} lead"):
+        if comm.Get_rank() == 0:
+            targets = sorted({os.path.realpath(root / link) for link in outward})
+            granularity = max((probe_mtime_granularity(Path(t)) for t in targets), default=1)
+    return comm.bcast(granularity, root=0)
+
+
 def _parents(documents: Iterable[Manifest | None]) -> set[str]:
     """The directories that held the entries of ``documents`` (where their temporary
     files were)."""
@@ -1306,12 +1340,17 @@ def _stage_out(
     everything = [merged[p] for p in sorted(merged)]
     dirs = [e for e in everything if e.kind == DIR]
     seen = dest_state(comm, dst_root, [e.path for e in everything])
+    links = [d.path for d in dirs if d.path in seen and seen[d.path].kind == SYMLINK]
+    outward = _leading_out(comm, dst_root, links)
+    granularity = max(  # the coarsest of the destination's, its outward targets', the sources'
+        granularity,
+        _probe_outward(comm, dst_root, outward),
+        *(plan.tree_mtime_granularity(node_entries) for node_entries in trees),
+    )
     old, pending = _read_destination_records(comm, dst_root)
     written, read = _recorded_versions(
         comm, topo, src_root, dst_root, (old, pending), plan.to_check(everything, seen, granularity)
     )
-    links = [d.path for d in dirs if d.path in seen and seen[d.path].kind == SYMLINK]
-    outward = _leading_out(comm, dst_root, links)
     destination = plan.plan_destination(
         everything, seen, written, read, outward, overwrite, granularity
     )
@@ -1373,9 +1412,7 @@ def _stage_out(
         crcs.update(_crcs_of_unchanged(comm, dst_root, unchanged, old, granularity_ns=granularity))
     if verify:
         with agreed(comm, "stage-out: verifying"):
-            _verify_copies(
-                comm, dst_root, crcs, as_copied, None, delete=False, granularity_ns=granularity
-            )
+            _verify_copies(comm, dst_root, crcs, as_copied, None, delete=False)
     given_up = {s.path for s in skipped}
     with agreed(comm, "stage-out: finishing directories and writing the manifest"):
         if comm.Get_rank() == 0:
