@@ -155,7 +155,10 @@ class SaveHandle:
                     told = f"reports: {problem} ({status.get('retries', 0)} retries)"
                     hint = "check that the PFS is writable; 'bbio ckpt drain --finish' completes it"
                 else:
-                    told = f"is not running (it stopped or died; it last reported: {problem})"
+                    told = (
+                        "is not running (not started yet, or it stopped or died; it last "
+                        f"reported: {problem})"
+                    )
                     hint = "a save or close starts a drain; so does 'bbio ckpt drain --finish'"
                 raise BBIOTimeoutError(
                     f"checkpoint {self.name} step {self.step} is not committed on the PFS after "
