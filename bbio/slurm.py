@@ -33,7 +33,7 @@ from pathlib import Path
 from bbio.arguments import seconds_argument
 from bbio.checkpoint import admin, drain, layout
 from bbio.config import Config, config_file_path, load_config
-from bbio.errors import ConfigError, PermissionDeniedError, from_oserror
+from bbio.errors import BBIOError, ConfigError, PermissionDeniedError, from_oserror
 
 ENDING_GRACE_SECONDS = 60.0  # after its timeout, the epilog's drain has this long to end
 KILLED_GRACE_SECONDS = 5.0  # then it is killed, and waited for this long (not if it hangs)
@@ -365,7 +365,7 @@ def epilog(site: Site, job: Job, timeout: float | None) -> Epilog:
     check_parents(path)
     journals = journals_under(path)
     if journals and _short_of_room(path):
-        _remove_all_but_checkpoints(path, journals)
+        _make_room_as(job, path, journals, timeout)
     failed = _finish_as(job, journals, timeout)
     if failed:
         return Epilog(path, failed, False)
@@ -380,30 +380,62 @@ def _short_of_room(path: Path) -> bool:
     return st.f_bavail * st.f_frsize < DRAIN_ROOM_BYTES or (st.f_files > 0 and st.f_favail == 0)
 
 
+def _make_room_as(job: Job, job_root: Path, journals: list[Path], timeout: float | None) -> None:
+    """:func:`_remove_all_but_checkpoints` in a child process as the job's user: what the
+    user may delete, never through a symlink the user swaps in meanwhile (as root, the
+    job's processes could have root delete files elsewhere).  Waited for at most
+    ``timeout`` seconds (None: no limit), then killed; a failure is said on stderr and
+    the drains go on (they fail, named, if the room was needed)."""
+    child = multiprocessing.get_context("fork").Process(
+        target=_make_room_in_child, args=(job, job_root, journals)
+    )
+    child.start()
+    child.join(None if timeout is None or math.isinf(timeout) else timeout)
+    if child.exitcode is None:
+        child.kill()
+        child.join(KILLED_GRACE_SECONDS)
+        print(f"bbio epilog: making room in {job_root} took over {timeout} s", file=sys.stderr)
+
+
+def _make_room_in_child(job: Job, job_root: Path, journals: list[Path]) -> None:
+    try:
+        _become(job)
+        _remove_all_but_checkpoints(job_root, journals)
+    except Exception as exc:  # said in the epilog's log; the drains follow regardless
+        print(f"bbio epilog: making room as {job.user} failed: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
 def _remove_all_but_checkpoints(job_root: Path, journals: list[Path]) -> None:
     """Remove what the epilog would remove after draining anyway, now: everything under
     ``job_root`` but the checkpointers' directories of ``journals`` (their journals and
-    burst-buffer copies) and the directories above them.  Symlinks are removed, never
-    followed."""
+    burst-buffer copies) and the directories above them, walked without recursion (a
+    tree of any depth).  Symlinks are removed, never followed.  What cannot be removed
+    is passed over; the first of those is raised at the end."""
     kept = {journal.parent for journal in journals}
     above = {parent for directory in kept for parent in directory.parents}
-
-    def clear(directory: Path) -> None:
-        for entry in os.scandir(directory):
-            path = Path(entry.path)
-            if path in kept:
-                continue
-            if path in above and entry.is_dir(follow_symlinks=False):
-                clear(path)
-            elif entry.is_dir(follow_symlinks=False):
-                _remove_tree(path)
-            else:
+    waiting = [job_root]
+    refused: list[BBIOError] = []
+    while waiting:
+        with os.scandir(waiting.pop()) as listing:
+            for entry in listing:
+                path = Path(entry.path)
+                if path in kept:
+                    continue
+                if path in above and entry.is_dir(follow_symlinks=False):
+                    waiting.append(path)
+                    continue
                 try:
-                    os.unlink(path)
+                    if entry.is_dir(follow_symlinks=False):
+                        _remove_tree(path)
+                    else:
+                        os.unlink(path)
+                except BBIOError as exc:
+                    refused.append(exc)
                 except OSError as exc:
-                    raise from_oserror(exc, "make room for the drain", path) from None
-
-    clear(job_root)
+                    refused.append(from_oserror(exc, "make room for the drain", path))
+    if refused:
+        raise refused[0]
 
 
 def _remove_tree(path: Path) -> None:
@@ -490,12 +522,17 @@ def _finish_as(job: Job, journals: list[Path], timeout: float | None) -> list[st
     return failed
 
 
+def _become(job: Job) -> None:
+    """As root, drop to the job's user: its uid, gid and groups."""
+    if os.geteuid() == 0 and job.uid != 0:
+        os.setgroups(os.getgrouplist(job.user, job.gid))
+        os.setgid(job.gid)
+        os.setuid(job.uid)
+
+
 def _finish_in_child(job: Job, journals: list[Path], timeout: float | None, sending) -> None:
     try:
-        if os.geteuid() == 0 and job.uid != 0:
-            os.setgroups(os.getgrouplist(job.user, job.gid))
-            os.setgid(job.gid)
-            os.setuid(job.uid)
+        _become(job)
         sending.send(admin.finish_journals(journals, timeout))
     except Exception as exc:  # say why in the epilog's log; the parent keeps the data
         print(f"bbio epilog: draining as {job.user} failed: {exc}", file=sys.stderr)

@@ -480,3 +480,50 @@ def test_an_epilog_on_a_full_burst_buffer_makes_room_then_drains(site):
         assert not job_dir.exists()
     assert drain.read_manifest(site / "pfs" / layout.step_dirname(7))["time"] == 1.5
     assert (site / "pfs").is_dir()
+
+
+def test_making_room_walks_a_tree_of_any_depth_and_keeps_the_checkpoints(tmp_path):
+    """A journal 1,100 directories deep: the walk recursed, and the epilog died of a
+    RecursionError at every run."""
+    deep = nest(tmp_path, 1100)
+    inner = Path(os.path.join(deep, *["d"] * 1100))
+    journal = inner / layout.CKPT_DIR / "run" / drain.JOURNAL
+    journal.mkdir(parents=True)
+    (journal / "task").write_text("{}")
+    (inner / "output.bin").write_bytes(b"x")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "big.bin").write_bytes(b"x" * 100)
+    (tmp_path / "link").symlink_to(tmp_path / "results")
+    slurm._remove_all_but_checkpoints(tmp_path, [journal])
+    assert (journal / "task").exists()
+    assert not (inner / "output.bin").exists()
+    assert sorted(os.listdir(tmp_path)) == ["d"]
+
+
+@as_root
+def test_the_epilog_makes_room_as_the_jobs_user(site):
+    """As root, the walk that makes room could be led by the job's processes (a directory
+    swapped for a symlink while it ran) to delete files elsewhere: it runs as the job's
+    user, who may delete only what the user could.  What it cannot delete is passed
+    over, named, and the drain follows."""
+    env = hook_env(site)
+    with tmpfs(site / "local", "size=8m,mode=0755"):
+        assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
+        job_dir = site / "local" / "nobody" / "bbio-4242"
+        two_node_save(job_dir, 7, 1.5, pfs_root=site / "pfs")
+        chown_tree(job_dir, JOB.uid, JOB.gid)
+        roots = job_dir / "0" / "a-roots"
+        roots.mkdir(mode=0o755)
+        (roots / "precious").write_bytes(b"root's")
+        filler = job_dir / "0" / "z-results"
+        filler.mkdir()
+        with open(filler / "big", "wb", buffering=0) as f, contextlib.suppress(OSError):
+            while True:
+                f.write(b"\0" * 65536)
+        chown_tree(filler, JOB.uid, JOB.gid)
+        removed = run_python("-m", "bbio", "slurm", "epilog", "--timeout", "60", env=env)
+        assert removed.returncode == 0, removed.stderr
+        assert "making room as nobody failed" in removed.stderr
+        assert str(roots / "precious") in removed.stderr, removed.stderr
+        assert not job_dir.exists()  # removed as root once drained
+    assert drain.read_manifest(site / "pfs" / layout.step_dirname(7))["time"] == 1.5
