@@ -485,19 +485,23 @@ def test_an_epilog_on_a_full_burst_buffer_makes_room_then_drains(site):
 def test_making_room_walks_a_tree_of_any_depth_and_keeps_the_checkpoints(tmp_path):
     """A journal 1,100 directories deep: the walk recursed, and the epilog died of a
     RecursionError at every run."""
-    deep = nest(tmp_path, 1100)
-    inner = Path(os.path.join(deep, *["d"] * 1100))
-    journal = inner / layout.CKPT_DIR / "run" / drain.JOURNAL
-    journal.mkdir(parents=True)
-    (journal / "task").write_text("{}")
-    (inner / "output.bin").write_bytes(b"x")
-    (tmp_path / "results").mkdir()
-    (tmp_path / "results" / "big.bin").write_bytes(b"x" * 100)
-    (tmp_path / "link").symlink_to(tmp_path / "results")
-    slurm._remove_all_but_checkpoints(tmp_path, [journal])
-    assert (journal / "task").exists()
-    assert not (inner / "output.bin").exists()
-    assert sorted(os.listdir(tmp_path)) == ["d"]
+    root = tmp_path / "job"
+    root.mkdir()
+    try:
+        inner = Path(os.path.join(nest(root, 1100), *["d"] * 1100))
+        journal = inner / layout.CKPT_DIR / "run" / drain.JOURNAL
+        journal.mkdir(parents=True)
+        (journal / "task").write_text("{}")
+        (inner / "output.bin").write_bytes(b"x")
+        (root / "results").mkdir()
+        (root / "results" / "big.bin").write_bytes(b"x" * 100)
+        (root / "link").symlink_to(root / "results")
+        slurm._remove_all_but_checkpoints(root, [journal])
+        assert (journal / "task").exists()
+        assert not (inner / "output.bin").exists()
+        assert sorted(os.listdir(root)) == ["d"]
+    finally:  # deeper than pytest's own clean-up (shutil.rmtree) recurses
+        subprocess.run(["rm", "-rf", "--", str(root)], check=True)
 
 
 @as_root

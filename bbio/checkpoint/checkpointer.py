@@ -34,7 +34,14 @@ from bbio.checkpoint import restore as reader
 from bbio.checkpoint.globalview import describe_node_file
 from bbio.checkpoint.writer import describe, file_attrs, global_shapes, write_node_file
 from bbio.config import Config, load_config
-from bbio.errors import BBIOError, BBIOTimeoutError, IntegrityError, NotFoundError, UsageError
+from bbio.errors import (
+    BBIOError,
+    BBIOTimeoutError,
+    IntegrityError,
+    NoSpaceError,
+    NotFoundError,
+    UsageError,
+)
 from bbio.mpi import (
     agreed,
     agreed_allgather,
@@ -446,7 +453,59 @@ class Checkpointer:
         self._pfs_steps.add(step)
         self._ordered_steps.add(step)
         direct = not self._room_in_every_bb(need, free)
-        step_dir = (self.pfs_dir if direct else self.bb_dir) / layout.step_dirname(step)
+        root_attrs = file_attrs(
+            step, when, self.size, self.nodes, self.node, self.node_ranks, kind, shapes, attrs
+        )
+        while True:
+            step_dir = (self.pfs_dir if direct else self.bb_dir) / layout.step_dirname(step)
+            try:
+                self._write(
+                    step, when, step_dir, direct, arrays, all_specs, need[self.node], root_attrs
+                )
+                break
+            except NoSpaceError as exc:  # a BB filled since the check (or shares a device)
+                if direct:
+                    self._undo_save(step, step_dir, first_of_step)
+                    raise
+                self._withdraw(step, step_dir)
+                self._say_direct(f"a burst buffer could not reserve its file's room ({exc})")
+                direct = True
+            except BBIOError:
+                self._undo_save(step, step_dir, first_of_step)
+                raise
+        if self.topo.is_leader and not direct:  # now: a copying drain takes CPU from the ranks
+            drain.wake(self.journal)
+        if direct:
+            with agreed(comm, f"checkpoint {self.name} step {step}: committing on the PFS"):
+                if self.rank == 0:
+                    if not drain.try_commit(step_dir, self.nodes):
+                        raise BBIOTimeoutError(
+                            f"checkpoint {self.name} step {step} was written to the PFS but "
+                            f"not committed: another process held its commit lock for "
+                            f"{drain.COMMIT_PATIENCE_SECONDS:.0f} s",
+                            path=step_dir / drain.COMMIT_LOCK,
+                            hint="see which host and process the lock names ('readlink' "
+                            "it); once that one is gone, save the step again",
+                        )
+                    drain.apply_pfs_retention(step_dir.parent, self.keep_pfs)
+            return dataclasses.replace(handle, direct=True)
+        return handle
+
+    def _write(
+        self,
+        step: int,
+        when: float,
+        step_dir: Path,
+        direct: bool,
+        arrays: Mapping[str, Any],
+        all_specs: list,
+        need: int,
+        root_attrs: Mapping[str, Any],
+    ) -> None:
+        """Collective: write and record this save's node files in ``step_dir`` (the PFS's
+        when ``direct``, else the burst buffers', their room of ``need`` bytes reserved
+        first); on a failure every rank raises, each leader's temporary file removed."""
+        comm = self.comm
         if direct:
             with agreed(comm, f"checkpoint {self.name} step {step}: writing to the PFS"):
                 if self.topo.is_leader:
@@ -470,51 +529,35 @@ class Checkpointer:
                     self.rank,
                     arrays,
                     node_specs,
-                    file_attrs(
-                        step,
-                        when,
-                        self.size,
-                        self.nodes,
-                        self.node,
-                        self.node_ranks,
-                        kind,
-                        shapes,
-                        attrs,
-                    ),
+                    root_attrs,
                     recycled,
                     temp,
-                    reserve=0 if direct else need[self.node],
+                    reserve=0 if direct else need,
                 )
             with agreed(comm, f"checkpoint {self.name} step {step}: recording"):
                 if self.topo.is_leader:
                     assert written is not None, "the node's file is written once all agree"
-                    self._record(step_dir, step, when, written, direct, key, need[self.node])
+                    self._record(step_dir, step, when, written, direct, key, need)
                     if not direct:
                         self._start_drain()
         except BBIOError:
             if self.topo.is_leader:
                 temp.unlink(missing_ok=True)
-            self._withdraw(step, step_dir)
-            if first_of_step:  # as if never saved: no reason to refuse the steps below it
-                self._ordered_steps.discard(step)
             raise
-        if self.topo.is_leader and not direct:  # now: a copying drain takes CPU from the ranks
-            drain.wake(self.journal)
-        if direct:
-            with agreed(comm, f"checkpoint {self.name} step {step}: committing on the PFS"):
-                if self.rank == 0:
-                    if not drain.try_commit(step_dir, self.nodes):
-                        raise BBIOTimeoutError(
-                            f"checkpoint {self.name} step {step} was written to the PFS but "
-                            f"not committed: another process held its commit lock for "
-                            f"{drain.COMMIT_PATIENCE_SECONDS:.0f} s",
-                            path=step_dir / drain.COMMIT_LOCK,
-                            hint="see which host and process the lock names ('readlink' "
-                            "it); once that one is gone, save the step again",
-                        )
-                    drain.apply_pfs_retention(step_dir.parent, self.keep_pfs)
-            return dataclasses.replace(handle, direct=True)
-        return handle
+
+    def _undo_save(self, step: int, step_dir: Path, first_of_step: bool) -> None:
+        """Collective: the save of ``step`` into ``step_dir`` failed: as if never made."""
+        self._withdraw(step, step_dir)
+        if first_of_step:  # as if never saved: no reason to refuse the steps below it
+            self._ordered_steps.discard(step)
+
+    def _say_direct(self, why: str) -> None:
+        """Rank 0 says, once per checkpointer, that saves go straight to the PFS, and why."""
+        if self.rank == 0 and not self._said_direct:
+            log.warning(
+                "checkpoint %s: %s: writing checkpoints straight to the PFS", self.name, why
+            )
+        self._said_direct = True
 
     def _check_open(self) -> None:
         """Raise UsageError once :meth:`close` was called (on every rank: it is collective),
@@ -779,17 +822,12 @@ class Checkpointer:
 
             trimmed = agreed_allgather(self.comm, "checkpoint: making room", trim)
             short = [(n, left) for n, left in filter(None, trimmed) if need[n] > left]
-        if short and self.rank == 0 and not self._said_direct:
+        if short:
             node, left = short[0]
-            log.warning(
-                "checkpoint %s: the burst buffer of node %d cannot hold it (%s needed, %s free): "
-                "writing checkpoints straight to the PFS",
-                self.name,
-                node,
-                format_bytes(need[node]),
-                format_bytes(left),
+            self._say_direct(
+                f"the burst buffer of node {node} cannot hold it ({format_bytes(need[node])} "
+                f"needed, {format_bytes(left)} free)"
             )
-        self._said_direct = self._said_direct or bool(short)
         return not short
 
     def _start_drain(self) -> None:

@@ -268,14 +268,12 @@ def _reserve_new_file(node_comm, temp: Path, reserve: int) -> None:
     node_comm.Bcast(failure, root=0)
     if failure[0]:
         code = int(failure[0])
+        what = f"reserve {reserve} bytes for the node's file" if reserve else "create the file"
         raise error_class_for_errno(code)(
-            f"cannot reserve {reserve} bytes in the burst buffer for the node's file: "
-            f"{os.strerror(code)} (the free-space check before the save passed: something "
-            "else wrote to the burst buffer meanwhile)",
+            f"cannot {what}: {os.strerror(code)}",
             path=temp,
             errno=code,
-            hint="free space in the burst buffer, then save again (a save the burst buffer "
-            "cannot hold goes straight to the PFS)",
+            hint="free space on its file system (or raise its quota), then save again",
         )
 
 
