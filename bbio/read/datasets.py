@@ -105,6 +105,10 @@ MAX_MESSAGE_BYTES = 2**31 - 1
 PACKED_BYTES_PER_SAMPLE, PACKED_BYTES_PER_SHARD = 16, 512
 #: a dataset keeps at most this many files open per rank, whatever RLIMIT_NOFILE allows
 MAX_OPEN_FILES = 1024
+#: descriptors of RLIMIT_NOFILE left to the rest of the job (MPI, sockets, its own files)
+RESERVED_FILES = 128
+#: a dataset keeps at least this many files open per rank (at most half of RLIMIT_NOFILE)
+MIN_OPEN_FILES = 16
 INT64 = np.iinfo(np.int64)
 
 
@@ -305,8 +309,12 @@ def _hdf5_layout(
     path: Path, read_path: Path, dataset: str | None, staged_tree: StagedTree | None
 ) -> Layout:
     """The layout of ``dataset`` of the HDF5 file ``path``, opened at ``read_path`` (the file
-    or its copy in the staged tree ``staged_tree``).  A dataset reached through a link into
-    another file is read from that file.  Not collective."""
+    or its copy in the staged tree ``staged_tree``).  A dataset reached through an external
+    link into another file is read from that file, named by its PFS path: the link is
+    resolved against ``path``'s directory on the PFS, not the staged copy's (HDF5 falls
+    back to the copy's directory only when the PFS lacks the target; that copy is named
+    by its source's path too).  Each node then maps the target to its own staged copy, as
+    any file.  Not collective."""
     try:
         import h5py
     except ImportError as exc:
@@ -335,7 +343,7 @@ def _hdf5_layout(
                     hint="pass dataset='NAME' to choose one",
                 )
             dataset = names[0]
-        dset = f.get(dataset)
+        dset = _hdf5_object(f, dataset, path)
         if not isinstance(dset, h5py.Dataset):
             found = "no such path" if dset is None else f"a {type(dset).__name__.lower()}"
             error = NotFoundError if dset is None else UsageError
@@ -394,6 +402,23 @@ def _hdf5_layout(
             dset.shape[1:],
             dset.dtype,
         )
+
+
+def _hdf5_object(f, name: str, path: Path):
+    """The object ``name`` of the open HDF5 file ``f`` (``path`` on the PFS), or None when
+    there is none (or an external link's target cannot be opened).  External links are
+    resolved against ``path``'s directory (``H5Pset_elink_prefix``), wherever ``f`` was
+    opened.  Not collective."""
+    import h5py
+
+    links = h5py.h5p.create(h5py.h5p.LINK_ACCESS)
+    links.set_elink_prefix(os.fsencode(os.path.join(os.path.dirname(os.path.abspath(path)), "")))
+    try:
+        oid = h5py.h5o.open(f.id, name.encode(), lapl=links)
+    except KeyError:
+        return None
+    kinds = {h5py.h5d.DatasetID: h5py.Dataset, h5py.h5g.GroupID: h5py.Group}
+    return kinds.get(type(oid), h5py.Datatype)(oid)
 
 
 def _raw_layout(
@@ -518,13 +543,23 @@ def _pfs_path(file: Path, staged_tree: StagedTree | None) -> Path:
 
 
 def _open_files_budget() -> int:
-    """How many files a dataset keeps open on this rank: a quarter of the soft
-    ``RLIMIT_NOFILE`` (the rest is the job's), at least 2, at most :data:`MAX_OPEN_FILES`.
-    Not collective."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    """How many files a dataset keeps open on this rank: the soft ``RLIMIT_NOFILE`` less
+    :data:`RESERVED_FILES` (the job's own descriptors), at least :data:`MIN_OPEN_FILES`
+    (half the limit below that), at most :data:`MAX_OPEN_FILES`.  First raises the soft
+    limit toward the hard one, to at most ``MAX_OPEN_FILES + RESERVED_FILES``, where that
+    is allowed.  Not collective."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return MAX_OPEN_FILES
-    return max(2, min(MAX_OPEN_FILES, soft // 4))
+    wanted = MAX_OPEN_FILES + RESERVED_FILES
+    raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if raised > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+            soft = raised
+        except (ValueError, OSError):  # refused (a container's policy): the limit stays
+            pass
+    return min(MAX_OPEN_FILES, max(soft - RESERVED_FILES, min(MIN_OPEN_FILES, soft // 2)))
 
 
 #: a descriptor of a dataset's file: (file index, opened for O_DIRECT reads)

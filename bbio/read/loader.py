@@ -37,7 +37,8 @@ class Loader:
     number of steps and call :meth:`close` (or use ``with``).  Invalid or
     differing arguments, or different datasets, raise the same
     :class:`UsageError` on every rank, as does a second loader of a dataset
-    whose prefetching loader is still running (neither closed nor at its end).
+    while another loader of it is mid-iteration (started, neither closed nor at
+    its end), prefetching or not.
     ``start_step`` resumes after that many steps (counted over all
     epochs), e.g. the step saved with a checkpoint.  Each element is what
     :meth:`Dataset.read` returns for this rank's ids of that step;
@@ -69,7 +70,7 @@ class Loader:
         with agreed(common, "Loader"):
             _check_dataset(dataset)
             _check_communicator(comm, dataset)
-            _check_no_prefetching_loader(dataset)
+            _check_no_loader_iterating(dataset)
             where = dataset.path
             arguments = {
                 "batch_size": integer_argument("batch_size", batch_size, 1, where),
@@ -106,8 +107,11 @@ class Loader:
         self._allowed = 0  # the background thread may fetch steps below this
         self._closing = False
         self._thread: threading.Thread | None = None
-        self._finished = False  # the training thread took the background thread's last item
-        self._iterated = False
+        self._iterated = False  # iter() was called
+        self._started = False  # the first step was asked for
+        self._finished = False  # the training thread took the last step, or an error
+        self._taken = 0  # steps the training thread took
+        self._total = max(0, self.epochs * self._steps - self.start_step)
         # The first epoch's shuffle is drawn now, not in the first step: for a
         # dataset of many small samples it takes tens of milliseconds.
         first = self.start_step // self._steps if self._steps else self.epochs
@@ -120,10 +124,16 @@ class Loader:
         return self._steps
 
     @property
-    def prefetching(self) -> bool:
-        """Whether the background thread has started and may still read: neither closed nor
-        at its end.  The same on every rank, which all iterate alike.  Not collective."""
-        return self._thread is not None and not self._closing and not self._finished
+    def iterating(self) -> bool:
+        """Whether the loader is mid-iteration: its first step was asked for, and it is
+        neither closed nor at its end (the training thread took the schedule's last step,
+        or an error).  The same on every rank, which all iterate alike.  Not collective."""
+        return self._started and not self._closing and not self._finished
+
+    def _took_step(self) -> None:
+        self._taken += 1
+        if self._taken == self._total:
+            self._finished = True
 
     def _schedule(self) -> Iterator[tuple]:
         step = 0
@@ -182,11 +192,19 @@ class Loader:
             )
 
     def _batches(self) -> Iterator:
-        if self.prefetch == 0:
+        self._started = True
+        if self.prefetch == 0:  # may be iterated again: each iteration counts its own steps
+            self._finished, self._taken = False, 0
             for batches in self._schedule():
                 self._check_open()
-                self.indices, data = self._fetch(batches)
+                try:
+                    self.indices, data = self._fetch(batches)
+                except BaseException:  # raised alike on every rank: the iteration ends
+                    self._finished = True
+                    raise
+                self._took_step()
                 yield data
+            self._finished = True
             return
         self._allow(self.prefetch)
         self._thread = threading.Thread(target=self._background, name="bbio-loader", daemon=True)
@@ -202,6 +220,7 @@ class Loader:
                 raise item
             self._allow(1)
             self.indices, data = item
+            self._took_step()
             yield data
 
     def close(self) -> None:
@@ -234,15 +253,18 @@ def _check_dataset(dataset) -> None:
     dataset.check_open()
 
 
-def _check_no_prefetching_loader(dataset: Dataset) -> None:
-    """Raise unless no loader of ``dataset`` is prefetching (:attr:`Loader.prefetching`), whose
-    background reads would mix with a new loader's.  Not collective."""
-    if any(loader.prefetching for loader in dataset.loaders):
+def _check_no_loader_iterating(dataset: Dataset) -> None:
+    """Raise unless no loader of ``dataset`` is mid-iteration (:attr:`Loader.iterating`):
+    its collective reads (in the background when it prefetches) would mix with a new
+    loader's.  Not collective."""
+    if any(loader.iterating for loader in dataset.loaders):
         raise UsageError(
-            "another Loader of this dataset is still prefetching",
+            "another Loader of this dataset is still iterating (started, neither closed "
+            "nor at its end)",
             path=dataset.path,
-            hint="close it (loader.close(), or leave its with block) before making another "
-            "of the same dataset; its background reads would mix with the new loader's",
+            hint="iterate it to its end or close it (loader.close(), or leave its with "
+            "block) before making another of the same dataset; its reads would mix with "
+            "the new loader's",
         )
 
 
