@@ -232,3 +232,19 @@ def test_pack_reads_a_file_larger_than_a_slab_a_slab_at_a_time(comm, shared_tmp,
                     back[name] = bytes(f["data"][start : start + size])
                     assert int(f["crc32c"][i]) == crc32c.crc32c(back[name]), name
         assert back == contents
+
+
+@pytest.mark.parametrize(
+    "entries", [7, [{"source": 5, "destination": "/bb/x"}], [["/pfs/x", "/bb/x"]], [{}]]
+)
+def test_a_registry_of_staged_copies_with_entries_of_other_types_is_damaged(tmp_path, entries):
+    """Before: an AttributeError or TypeError from deep inside the lookup."""
+    from bbio.errors import IntegrityError
+    from bbio.stage import registry
+    from bbio.transfer import files
+
+    files.write_json_atomic(
+        registry.registry_path(tmp_path), {"format": registry.FORMAT, "entries": entries}
+    )
+    with pytest.raises(IntegrityError, match="registry of staged copies is damaged"):
+        registry.lookup(tmp_path, tmp_path / "x")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from bbio.errors import IntegrityError
 from bbio.transfer import files
 from bbio.transfer.manifest import META_DIR
 
@@ -23,10 +24,26 @@ def registry_path(bb_dir: Path) -> Path:
 
 
 def _entries(bb_dir: Path) -> list[dict]:
-    document = files.read_json(registry_path(bb_dir))
-    if document is None or document.get("format") != FORMAT:
+    """The registry's entries, each a source and a destination (strings); none without a
+    registry of this format.  Raises :class:`IntegrityError` for entries of other types."""
+    path = registry_path(bb_dir)
+    document = files.read_json(path)
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
         return []
-    return [e for e in document.get("entries", []) if {"source", "destination"} <= set(e)]
+    entries = document.get("entries", [])
+    if not isinstance(entries, list) or not all(
+        isinstance(e, dict)
+        and isinstance(e.get("source"), str)
+        and isinstance(e.get("destination"), str)
+        for e in entries
+    ):
+        raise IntegrityError(
+            "the registry of staged copies is damaged: its entries are not each a source "
+            "and a destination path",
+            path=path,
+            hint="delete it and stage in again (it only tells readers where staged copies are)",
+        )
+    return entries
 
 
 def record(bb_dir: Path, source: Path, destination: Path) -> None:
