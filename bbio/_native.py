@@ -186,18 +186,22 @@ PREALLOCATE_MIN_BYTES = 8 << 20  # smaller files write faster without (ext4)
 
 
 def preallocate(
-    fd: int, nbytes: int, at_least: int = PREALLOCATE_MIN_BYTES, keep_size: bool = False
+    fd: int,
+    nbytes: int,
+    at_least: int = PREALLOCATE_MIN_BYTES,
+    keep_size: bool = False,
+    offset: int = 0,
 ) -> bool:
-    """Reserve ``nbytes`` for ``fd`` (``fallocate(2)``) if they are at least ``at_least``;
-    returns whether it did (False also where the file system cannot reserve space:
-    nothing is written then, unlike ``posix_fallocate``).  ``keep_size``: the file's
-    size does not change (a truncate to its size later frees what was not written).
+    """Reserve ``nbytes`` for ``fd`` from ``offset`` (``fallocate(2)``) if they are at least
+    ``at_least``; returns whether it did (False also where the file system cannot reserve
+    space: nothing is written then, unlike ``posix_fallocate``).  ``keep_size``: the
+    file's size does not change (a truncate to its size later frees what was not written).
 
     Raises OSError (ENOSPC) when the device cannot hold them.
     """
     if nbytes < max(at_least, 1):
         return False
-    err = _lib().bbio_fallocate(fd, nbytes, int(keep_size))
+    err = _lib().bbio_fallocate(fd, offset, nbytes, int(keep_size))
     if err in (errno.EOPNOTSUPP, errno.ENOSYS):
         return False  # the file system cannot reserve space; writing still works
     if err:

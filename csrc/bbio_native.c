@@ -982,10 +982,10 @@ int bbio_pread_batch(const int *fds, const int64_t *offsets,
 
 /* --------------------------------------------------------------- fallocate */
 
-int bbio_fallocate(int fd, int64_t len, int keep_size)
+int bbio_fallocate(int fd, int64_t offset, int64_t len, int keep_size)
 {
     int mode = keep_size ? FALLOC_FL_KEEP_SIZE : 0;
-    while (fallocate(fd, mode, 0, (off_t)len) != 0) {
+    while (fallocate(fd, mode, (off_t)offset, (off_t)len) != 0) {
         if (errno != EINTR)
             return errno;
     }

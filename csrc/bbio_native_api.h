@@ -52,13 +52,13 @@ int bbio_copy_files(const char *const *src, const char *const *dst, int64_t coun
                     uint32_t *crcs, int *errors, int *failed_side,
                     int64_t *size_after, int64_t *mtime_ns_after);
 
-/* Reserve len bytes of fd from offset 0 with fallocate(2): never glibc's
+/* Reserve len bytes of fd from offset with fallocate(2): never glibc's
  * posix_fallocate emulation, which writes a byte into every block where the
  * file system cannot reserve space.  keep_size: the file's size stays as it is
  * (FALLOC_FL_KEEP_SIZE; a truncate to its size frees what writes did not use).
  * Returns 0 or errno (EOPNOTSUPP: the file system cannot; ENOSPC: the device is
  * full). */
-int bbio_fallocate(int fd, int64_t len, int keep_size);
+int bbio_fallocate(int fd, int64_t offset, int64_t len, int keep_size);
 
 /* Batched positional reads: request i reads lengths[i] bytes of fds[i] at
  * offsets[i] into out + out_offsets[i].  nthreads threads keep requests in
