@@ -53,6 +53,17 @@ def test_descriptors_in_use_stay_open_and_the_others_within_the_limit(tmp_path):
     assert not cache.held
 
 
+def directory_of_samples(comm, root, count: int):
+    """Collective: ``root`` made by rank 0 with ``count`` files of 64 bytes
+    (:func:`sample_bytes`); returns it."""
+    if comm.Get_rank() == 0:
+        root.mkdir()
+        for i in range(count):
+            (root / f"f{i:03d}").write_bytes(sample_bytes(i, 64))
+    comm.Barrier()
+    return root
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["aggregated", "direct"])
@@ -60,12 +71,8 @@ def test_a_directory_of_more_files_than_descriptors_is_read(comm, shared_tmp, mo
     """Before, every file read stayed open until close: EMFILE once the files outnumbered
     RLIMIT_NOFILE."""
     monkeypatch.setattr(datasets, "MAX_OPEN_FILES", 32)  # the limit it may raise is lower
-    root, count = shared_tmp / "many", 300
-    if comm.Get_rank() == 0:
-        root.mkdir()
-        for i in range(count):
-            (root / f"f{i:03d}").write_bytes(sample_bytes(i, 64))
-    comm.Barrier()
+    count = 300
+    root = directory_of_samples(comm, shared_tmp / "many", count)
     expected = [sample_bytes(i, 64) for i in range(count)]
     config = config_for(comm, shared_tmp, **MODES[mode])
     allowed = len(os.listdir("/proc/self/fd")) + 64  # far fewer than the files
@@ -184,12 +191,7 @@ def test_a_pack_too_large_to_share_at_open_is_one_usage_error(comm, shared_tmp, 
 def test_a_directory_of_hundreds_of_files_opens_each_once(comm, shared_tmp):
     """Before, a quarter of a soft RLIMIT_NOFILE of 1,024 (256 files) was kept open: a
     directory of 500 files reopened files every step, a metadata round trip each."""
-    root, count = shared_tmp / "hundreds", 500
-    if comm.Get_rank() == 0:
-        root.mkdir()
-        for i in range(count):
-            (root / f"f{i:03d}").write_bytes(sample_bytes(i, 64))
-    comm.Barrier()
+    root = directory_of_samples(comm, shared_tmp / "hundreds", 500)
     config = config_for(comm, shared_tmp, **MODES["direct"])  # each rank reads hundreds
     with (
         soft_limit(resource.RLIMIT_NOFILE, 1024),

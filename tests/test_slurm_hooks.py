@@ -355,6 +355,13 @@ def test_the_hooks_read_only_the_site_file_named_by_bbio_config(tmp_path):
     assert slurm.job_dir(site, JOB) == tmp_path / "4242"
 
 
+def fill_up(path: Path) -> None:
+    """Write ``path`` until its file system is full, as a job that filled it."""
+    with open(path, "wb", buffering=0) as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 65536)
+
+
 @contextlib.contextmanager
 def tmpfs(where: Path, options: str):
     """A small tmpfs mounted on ``where`` (root only), unmounted at the end."""
@@ -471,9 +478,7 @@ def test_an_epilog_on_a_full_burst_buffer_makes_room_then_drains(site):
         results = job_dir / "0" / "results"
         results.mkdir()
         (results / "link").symlink_to(site / "pfs")  # removed, not followed
-        with open(results / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
-            while True:
-                filler.write(b"\0" * 65536)
+        fill_up(results / "filler")
         chown_tree(job_dir, JOB.uid, JOB.gid)
         removed = run_python("-m", "bbio", "slurm", "epilog", "--timeout", "60", env=env)
         assert removed.returncode == 0, removed.stderr
@@ -521,9 +526,7 @@ def test_the_epilog_makes_room_as_the_jobs_user(site):
         (roots / "precious").write_bytes(b"root's")
         filler = job_dir / "0" / "z-results"
         filler.mkdir()
-        with open(filler / "big", "wb", buffering=0) as f, contextlib.suppress(OSError):
-            while True:
-                f.write(b"\0" * 65536)
+        fill_up(filler / "big")
         chown_tree(filler, JOB.uid, JOB.gid)
         removed = run_python("-m", "bbio", "slurm", "epilog", "--timeout", "60", env=env)
         assert removed.returncode == 0, removed.stderr
