@@ -107,6 +107,23 @@ def fill(path: Path) -> Path:
     return filler
 
 
+def fill_node_0_before(comm, tmp: Path, monkeypatch, module, name: str) -> list[Path]:
+    """On rank 0, fill node 0's burst buffer (:func:`fill`) right before the first call of
+    ``module.name``, as another process of the job might; returns the files written
+    (filled in by then: none on the other ranks)."""
+    fillers: list[Path] = []
+    if comm.Get_rank() == 0:
+        original = getattr(module, name)
+
+        def filling_first(*args, **kwargs):
+            if not fillers:
+                fillers.append(fill(tmp / "smallbb" / "0"))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, filling_first)
+    return fillers
+
+
 def test_long_keys_count_in_the_room_a_save_needs(comm, shared_tmp):
     """HDF5's metadata for a long key outgrew the estimate (1 MiB per file, 4 KiB per
     array): the save passed the check, then HDF5 met the full burst buffer while it
@@ -129,16 +146,7 @@ def test_a_burst_buffer_another_process_fills_during_a_save(comm, shared_tmp, mo
     from bbio.checkpoint import writer
 
     rank = comm.Get_rank()
-    fillers = []
-    if rank == 0:
-        set_root_attrs = writer._set_root_attrs
-
-        def filling_first(*args, **kwargs):
-            if not fillers:
-                fillers.append(fill(shared_tmp / "smallbb" / "0"))
-            return set_root_attrs(*args, **kwargs)
-
-        monkeypatch.setattr(writer, "_set_root_attrs", filling_first)
+    fillers = fill_node_0_before(comm, shared_tmp, monkeypatch, writer, "_set_root_attrs")
     state = {f"layer{i}/weight": np.full(64, i + rank, np.float32) for i in range(50)}
     with small_burst_buffers(comm, shared_tmp, "4m") as bb_root:
         config = config_for(comm, shared_tmp, bb_root=bb_root, ckpt_recycle="off")
@@ -162,16 +170,7 @@ def test_a_burst_buffer_full_before_the_file_is_made_sends_the_save_to_the_pfs(
     from bbio.checkpoint import checkpointer
 
     rank = comm.Get_rank()
-    fillers = []
-    if rank == 0:
-        write_node_file = checkpointer.write_node_file
-
-        def filling_first(*args, **kwargs):
-            if not fillers:
-                fillers.append(fill(shared_tmp / "smallbb" / "0"))
-            return write_node_file(*args, **kwargs)
-
-        monkeypatch.setattr(checkpointer, "write_node_file", filling_first)
+    fillers = fill_node_0_before(comm, shared_tmp, monkeypatch, checkpointer, "write_node_file")
     with small_burst_buffers(comm, shared_tmp, "4m") as bb_root:
         config = config_for(comm, shared_tmp, bb_root=bb_root, ckpt_recycle="off")
         with bbio.Checkpointer(comm, "full", config=config) as ckpt:

@@ -463,16 +463,13 @@ class Checkpointer:
                     step, when, step_dir, direct, arrays, all_specs, need[self.node], root_attrs
                 )
                 break
-            except NoSpaceError as exc:  # a BB filled since the check (or shares a device)
-                if direct:
+            except BBIOError as exc:
+                if direct or not isinstance(exc, NoSpaceError):
                     self._undo_save(step, step_dir, first_of_step)
                     raise
-                self._withdraw(step, step_dir)
+                self._withdraw(step, step_dir)  # a BB filled since the check, or shares a device
                 self._say_direct(f"a burst buffer could not reserve its file's room ({exc})")
                 direct = True
-            except BBIOError:
-                self._undo_save(step, step_dir, first_of_step)
-                raise
         if self.topo.is_leader and not direct:  # now: a copying drain takes CPU from the ranks
             drain.wake(self.journal)
         if direct:

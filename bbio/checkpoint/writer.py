@@ -258,7 +258,7 @@ def _reserve_new_file(node_comm, temp: Path, reserve: int) -> None:
             fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
             try:
                 os.write(fd, _empty_hdf5_image())
-                _native.preallocate(fd, reserve, at_least=0, keep_size=True)
+                _reserve_up_to(fd, reserve)
             finally:
                 os.close(fd)
         except OSError as exc:
@@ -275,6 +275,14 @@ def _reserve_new_file(node_comm, temp: Path, reserve: int) -> None:
             errno=code,
             hint="free space on its file system (or raise its quota), then save again",
         )
+
+
+def _reserve_up_to(fd: int, nbytes: int) -> None:
+    """Reserve the device's blocks for the file ``fd`` up to ``nbytes``, its size unchanged:
+    from its end only (a look at each page it has costs a millisecond per 32 MiB on
+    tmpfs).  Raises OSError (ENOSPC) when the device cannot hold them."""
+    size = os.fstat(fd).st_size
+    _native.preallocate(fd, nbytes - size, at_least=0, keep_size=True, offset=size)
 
 
 @functools.cache
@@ -406,9 +414,8 @@ def _open_spare(
     f = None
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CLOEXEC)
-        try:  # beyond the pages it has: a look at each of those costs a millisecond per 32 MiB
-            size = os.fstat(fd).st_size
-            _native.preallocate(fd, reserve - size, at_least=0, keep_size=True, offset=size)
+        try:
+            _reserve_up_to(fd, reserve)
         finally:
             os.close(fd)
         f = h5py.File(temp, "r+", locking="best-effort")

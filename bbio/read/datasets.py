@@ -965,12 +965,12 @@ class Dataset:
         threshold = self.config.read_odirect_bytes
         direct = lengths >= threshold if threshold > 0 else np.zeros(lengths.size, dtype=bool)
         per_batch = self._descriptors.limit // 2  # a file may take two: buffered and O_DIRECT
+        if len(self.layout.files) <= per_batch:  # the usual case: one batch, in the order given
+            self._pread_batch(files, offsets, lengths, direct, out, places)
+            return
         by_file = np.argsort(files, kind="stable")
         ordered = files[by_file]
         first_of_file = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
-        if first_of_file.size <= per_batch:  # the usual case: one batch, in the order given
-            self._pread_batch(files, offsets, lengths, direct, out, places)
-            return
         bounds = [*first_of_file[::per_batch].tolist(), files.size]
         for start, end in itertools.pairwise(bounds):
             batch = by_file[start:end]

@@ -1211,16 +1211,16 @@ def _leading_out(comm, root: Path, links: Sequence[str]) -> set[str]:
     return comm.bcast(found, root=0)
 
 
-def _probe_outward(comm, root: Path, outward: Iterable[str]) -> int:
-    """Collective over ``comm``: the coarsest mtime granularity (ns) of the directories the
-    symlinks ``outward`` under ``root`` lead to (:func:`probe_mtime_granularity`, by rank
-    0), which may lie on other file systems than ``root``; 1 without any.  A probe that
+def _probe_destinations(comm, root: Path, outward: Iterable[str]) -> int:
+    """Collective over ``comm``: the coarsest granularity (ns) at which the destination
+    ``root`` and the directories its symlinks ``outward`` lead to (which may lie on other
+    file systems) keep mtimes (:func:`probe_mtime_granularity`, by rank 0).  A probe that
     fails is every rank's error."""
     granularity = 1
-    with agreed(comm, f"stage-out: probing the mtimes kept where the symlinks of {root} lead"):
+    with agreed(comm, f"stage-out: probing the mtimes kept in {root} and where its symlinks lead"):
         if comm.Get_rank() == 0:
-            targets = sorted({os.path.realpath(root / link) for link in outward})
-            granularity = max((probe_mtime_granularity(Path(t)) for t in targets), default=1)
+            targets = {root, *(Path(os.path.realpath(root / link)) for link in outward)}
+            granularity = max(probe_mtime_granularity(target) for target in sorted(targets))
     return comm.bcast(granularity, root=0)
 
 
@@ -1316,15 +1316,12 @@ def _stage_out(
     start,
 ):
     src_root = config.node_dir(src, topo.node, topo.nodes_on_host)
-    granularity = 1
     with agreed(comm, "stage-out: checking the sources and the destination"):
         if topo.is_leader:
             check_source(src_root, topo.node)
             check_outside(src_root, dst_root, topo.node)
         if comm.Get_rank() == 0:
             check_destination(dst_root)
-            granularity = probe_mtime_granularity(dst_root)
-    granularity = comm.bcast(granularity, root=0)
     listers = config.stage_threads(topo.node_comm.Get_size())
     tree = None
     with agreed(comm, "stage-out: walking the source of every node"):
@@ -1343,8 +1340,7 @@ def _stage_out(
     links = [d.path for d in dirs if d.path in seen and seen[d.path].kind == SYMLINK]
     outward = _leading_out(comm, dst_root, links)
     granularity = max(  # the coarsest of the destination's, its outward targets', the sources'
-        granularity,
-        _probe_outward(comm, dst_root, outward),
+        _probe_destinations(comm, dst_root, outward),
         *(plan.tree_mtime_granularity(node_entries) for node_entries in trees),
     )
     old, pending = _read_destination_records(comm, dst_root)
