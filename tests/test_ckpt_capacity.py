@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 import bbio
+from bbio.checkpoint import drain
 from tests.test_checkpoint import config_for, node_of
 
 pytestmark = [
@@ -26,13 +28,15 @@ MiB = 1 << 20
 
 
 @contextlib.contextmanager
-def small_burst_buffers(comm, tmp: Path, size: str) -> Iterator[str]:
-    """Collective: a tmpfs of ``size`` for each virtual node; yields the ``bb_root``."""
+def small_burst_buffers(comm, tmp: Path, size: str, inodes: int = 0) -> Iterator[str]:
+    """Collective: a tmpfs of ``size`` (and of ``inodes`` inodes, if given) for each
+    virtual node; yields the ``bb_root``."""
     mounts = [tmp / "smallbb" / str(node) for node in range(2)]
     if comm.Get_rank() == 0:
         for mount in mounts:
             mount.mkdir(parents=True)
-            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)])
+            options = f"size={size}" + (f",nr_inodes={inodes}" if inodes else "")
+            subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)])
     comm.Barrier()
     try:
         assert all(os.path.ismount(mount) for mount in mounts)
@@ -208,3 +212,57 @@ def test_virtual_nodes_whose_burst_buffers_share_a_device_too_small_for_both(com
         comm.Barrier()
         if rank == 0:
             subprocess.run(["umount", "--lazy", str(shared)], check=True)
+
+
+@pytest.mark.timeout(120)  # before the fix: the other ranks waited for node 0's leader
+def test_close_on_a_full_burst_buffer_stops_every_drain(comm, shared_tmp):
+    """Node 0's burst buffer is full when the job closes its checkpointer.  Before, node 0's
+    leader alone raised NoSpaceError writing the drains' stop file, and the job aborted;
+    now the stop file is empty, which a full burst buffer still takes."""
+    rank = comm.Get_rank()
+    with small_burst_buffers(comm, shared_tmp, "4m") as bb_root:
+        config = config_for(comm, shared_tmp, bb_root=bb_root, ckpt_recycle="off")
+        ckpt = bbio.Checkpointer(comm, "closing", config=config)
+        ckpt.save(1, {"w": np.full(1024, rank, np.uint8)}).wait(timeout=60)
+        filler = fill(shared_tmp / "smallbb" / "0") if rank == 0 else None
+        comm.Barrier()
+        leader = ckpt.topo.is_leader
+        ckpt.close(timeout=60)
+        if leader:  # close waited for this node's drain to exit
+            assert ckpt._drain is not None and ckpt._drain.poll() is not None
+        if filler is not None:
+            filler.unlink()
+
+
+@pytest.mark.timeout(120)
+def test_close_where_the_stop_file_cannot_be_made_warns_and_returns(comm, shared_tmp, caplog):
+    """Node 0's burst buffer has no inode left: its leader cannot even create the empty
+    stop file.  close() says so and returns on every rank; that drain stops once the
+    stop file is there, or once the training process is gone."""
+    rank = comm.Get_rank()
+    with small_burst_buffers(comm, shared_tmp, "4m", inodes=64) as bb_root:
+        config = config_for(comm, shared_tmp, bb_root=bb_root, ckpt_recycle="off")
+        ckpt = bbio.Checkpointer(comm, "inodes", config=config)
+        ckpt.save(1, {"w": np.full(1024, rank, np.uint8)}).wait(timeout=60)
+        journal = shared_tmp / "smallbb" / "0" / "ckpt" / "inodes" / ".journal"
+        inode_fillers = []
+        if rank == 0:
+            time.sleep(2 * drain.IDLE_TRIM_SECONDS)  # the idle drain's trim frees inodes
+            with contextlib.suppress(OSError):
+                while True:
+                    inode_fillers.append(journal.parent / f"filler-{len(inode_fillers)}")
+                    inode_fillers[-1].touch()
+        comm.Barrier()
+        leader, drain_process = ckpt.topo.is_leader, ckpt._drain
+        with caplog.at_level(logging.WARNING, logger="bbio"):
+            ckpt.close(timeout=60)
+        if rank == 0:
+            assert f"cannot create {journal / 'stop'}" in caplog.text, caplog.text
+            assert "its drain stops once this process has exited" in caplog.text
+            assert drain_process.poll() is None  # still waiting to be told
+            for filler in inode_fillers[:-1]:
+                filler.unlink()
+            (journal / "stop").touch()
+            drain_process.wait(timeout=30)
+        elif leader:
+            assert drain_process.poll() is not None

@@ -555,15 +555,21 @@ def test_a_damaged_staging_record_on_one_node_is_one_error_everywhere(comm, data
 
 
 @pytest.mark.parametrize("mode", ["aggregated", "alone"])
-@pytest.mark.parametrize("ids", ["uint64", "python int"])
+@pytest.mark.parametrize("ids", ["uint64", "python int", "python int beside a negative"])
 def test_ids_beyond_int64_are_named_as_passed(comm, data, mode, ids):
-    """Before, a uint64 id wrapped to a negative one in the message, and a Python int
-    beyond 64 bits was "not an integer"."""
+    """Before, a uint64 id wrapped to a negative one in the message, a Python int beyond
+    64 bits was "not an integer", and one beside a negative id (NumPy makes the list
+    float64) was named as a float."""
     root, config = data
     config = dataclasses.replace(config, **MODES[mode])
-    big = 2**63 + 5 if ids == "uint64" else 2**70
+    big = 2**63 + 5 if ids == "uint64" else 2**70 + 1
     with bbio.open_dataset(comm, root / "x.raw", record_bytes=4, config=config) as ds:
-        wrong = np.array([3, big], dtype=np.uint64) if ids == "uint64" else [3, big]
+        wrong = {
+            "uint64": [3, big],
+            "python int": [3, big],
+            "python int beside a negative": [3, big, -1],
+        }[ids]
+        wrong = np.array(wrong, dtype=np.uint64) if ids == "uint64" else wrong
         with pytest.raises(bbio.UsageError) as info:
             ds.read(wrong if last_rank(comm) else [3])
         message = same_everywhere(comm, info.value)

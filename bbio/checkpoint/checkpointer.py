@@ -1175,10 +1175,9 @@ class Checkpointer:
                     time.sleep(0.05)
                 drained = True
         finally:
-            if self.topo.is_leader:
-                files.write_json_atomic(self.journal / drain.STOP, {"time": time.time()})
-                if self._drain is not None and drained:
-                    self._drain.wait()  # its queue is empty: it only trims and exits
+            told = self.topo.is_leader and self._tell_drain_to_stop()
+            if told and self._drain is not None and drained:
+                self._drain.wait()  # its queue is empty: it only trims and exits
             if drained:
                 self.comm.Barrier()
             self._closed = True
@@ -1187,6 +1186,25 @@ class Checkpointer:
                     del _OPEN[directory]
             self.topo.free()
             self.comm.Free()
+
+    def _tell_drain_to_stop(self) -> bool:
+        """Node leader: create the journal's (empty) stop file; False, with a warning, if
+        it cannot be created.  A full burst buffer does not refuse an empty file where it
+        would refuse a written one, and the drain stops when this process is gone anyway."""
+        stop = self.journal / drain.STOP
+        try:
+            os.close(os.open(stop, os.O_WRONLY | os.O_CREAT, 0o644))
+        except OSError as exc:
+            log.warning(
+                "bbio: checkpoint %s, node %d: cannot create %s (%s); its drain stops once "
+                "this process has exited",
+                self.name,
+                self.node,
+                stop,
+                exc.strerror or exc,
+            )
+            return False
+        return True
 
     def __enter__(self) -> Checkpointer:
         return self

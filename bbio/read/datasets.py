@@ -1221,6 +1221,10 @@ def _sample_ids(ids, rank: int, path: Path, samples: int) -> np.ndarray:
         ) from None
     if array.size == 0:
         return np.zeros(0, dtype=np.int64)
+    if array.dtype.kind == "f" and not isinstance(ids, np.ndarray):  # ints NumPy made floats
+        exact = np.asarray(ids, dtype=object)
+        if all(_is_integer(i) for i in exact.flat):
+            array = exact
     if array.dtype == object and all(_is_integer(i) for i in array.flat):  # beyond 64 bits
         wide = [int(i) for i in array.flat]
         beyond = next((i for i in wide if not INT64.min <= i <= INT64.max), None)
