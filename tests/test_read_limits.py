@@ -16,7 +16,7 @@ import pytest
 
 import bbio
 from bbio.read import datasets
-from bbio.read.datasets import _Descriptors
+from bbio.read.datasets import _DatasetDescriptors, _Descriptors
 from tests.test_read import MODES, config_for, sample_bytes
 from tests.test_read_usage import last_rank, same_everywhere
 
@@ -35,11 +35,23 @@ def soft_limit(kind: int, value: int):
 # ------------------------------------------------------------ open descriptors
 
 
+def shared_descriptors(paths: list, limit: int, datasets_count: int = 1):
+    """A :class:`_Descriptors` of ``limit`` and that many datasets' shares of it, each
+    opening ``paths`` by index."""
+    shared = _Descriptors(limit)
+    views = [
+        _DatasetDescriptors(lambda f, direct: (os.open(paths[f], os.O_RDONLY), direct), shared)
+        for _ in range(datasets_count)
+    ]
+    shared.limit = limit  # each view set it from RLIMIT_NOFILE
+    return shared, views
+
+
 def test_descriptors_in_use_stay_open_and_the_others_within_the_limit(tmp_path):
     paths = [tmp_path / f"f{i}" for i in range(4)]
     for path in paths:
         path.write_bytes(b"x")
-    cache = _Descriptors(2, lambda f, direct: (os.open(paths[f], os.O_RDONLY), direct))
+    _, (cache,) = shared_descriptors(paths, 2)
     with cache.pinned([(0, False), (1, False)]) as first:
         with cache.pinned([(2, True)]) as second:  # a second reader: over the limit, for now
             in_use = {**first, **second}
@@ -51,6 +63,25 @@ def test_descriptors_in_use_stay_open_and_the_others_within_the_limit(tmp_path):
         assert list(cache.held) == [(1, False), (3, False)]  # the least recently used went
     cache.close_all()
     assert not cache.held
+
+
+def test_the_datasets_of_a_process_share_one_limit(tmp_path):
+    """Before, each dataset kept up to the whole budget open: two of them could together
+    reach RLIMIT_NOFILE."""
+    paths = [tmp_path / f"f{i}" for i in range(4)]
+    for path in paths:
+        path.write_bytes(b"x")
+    shared, (train, validation) = shared_descriptors(paths, 3, datasets_count=2)
+    for f in range(3):
+        with train.pinned([(f, False)]):
+            pass
+    with validation.pinned([(0, False), (1, False)]) as opened:
+        assert len(shared.held) == 3  # of train, only its most recent is left
+        assert list(train.held) == [(2, False)] and set(validation.held) == set(opened)
+    validation.close_all()  # closes its own only
+    assert list(shared.held) and list(train.held) == [(2, False)] and not validation.held
+    train.close_all()
+    assert not shared.held
 
 
 def directory_of_samples(comm, root, count: int):
@@ -85,6 +116,31 @@ def test_a_directory_of_more_files_than_descriptors_is_read(comm, shared_tmp, mo
             for batch in loader:
                 assert [b.tobytes() for b in batch] == [expected[i] for i in loader.indices]
         assert len(ds._descriptors.held) <= ds._descriptors.limit == 32
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_two_directory_datasets_open_at_once_stay_within_the_limit(comm, shared_tmp, monkeypatch):
+    """Two datasets of 100 files each under a soft limit that holds one budget (16 files)
+    and not two.  Before, each kept 16 open, and the second failed with EMFILE."""
+    roots = [directory_of_samples(comm, shared_tmp / name, 100) for name in ("train", "val")]
+    config = config_for(comm, shared_tmp, **MODES["direct"])
+    in_use = len(os.listdir("/proc/self/fd"))
+    monkeypatch.setattr(datasets, "MAX_OPEN_FILES", 16)
+    monkeypatch.setattr(datasets, "RESERVED_FILES", in_use + 8)  # the job's, and a few more
+    allowed = in_use + 24  # the budget and the reserve: no raise
+    ids = np.arange(100)
+    expected = [sample_bytes(i, 64) for i in ids]
+    with (
+        soft_limit(resource.RLIMIT_NOFILE, allowed),
+        bbio.open_dataset(comm, roots[0], config=config) as train,
+        bbio.open_dataset(comm, roots[1], config=config) as val,
+    ):
+        assert train._descriptors.limit == 16
+        for _ in range(2):
+            for ds in (train, val):
+                assert [g.tobytes() for g in ds.read(ids)] == expected
+        assert len(train._descriptors.held) + len(val._descriptors.held) <= 16
 
 
 # ------------------------------------------------------------ memory
@@ -198,13 +254,13 @@ def test_a_directory_of_hundreds_of_files_opens_each_once(comm, shared_tmp):
         bbio.open_dataset(comm, root, config=config) as ds,
     ):
         opened: list = []
-        open_file = ds._descriptors._open_file
+        open_file = ds._descriptors.open_file
 
         def counted(f: int, direct: bool) -> tuple[int, bool]:
             opened.append((f, direct))
             return open_file(f, direct)
 
-        ds._descriptors._open_file = counted
+        ds._descriptors.open_file = counted
         with bbio.Loader(comm, ds, batch_size=25, seed=0, epochs=4) as loader:
             for batch in loader:
                 assert [b.tobytes() for b in batch] == [sample_bytes(i, 64) for i in loader.indices]

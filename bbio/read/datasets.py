@@ -103,11 +103,11 @@ DAMAGED_PACK = "the pack is damaged or incomplete; run 'bbio pack' again"
 MAX_MESSAGE_BYTES = 2**31 - 1
 #: a pack's extents travel as two int64 per sample, plus this much per shard
 PACKED_BYTES_PER_SAMPLE, PACKED_BYTES_PER_SHARD = 16, 512
-#: a dataset keeps at most this many files open per rank, whatever RLIMIT_NOFILE allows
+#: the datasets of a rank keep at most this many files open, whatever RLIMIT_NOFILE allows
 MAX_OPEN_FILES = 1024
 #: descriptors of RLIMIT_NOFILE left to the rest of the job (MPI, sockets, its own files)
 RESERVED_FILES = 128
-#: a dataset keeps at least this many files open per rank (at most half of RLIMIT_NOFILE)
+#: the datasets of a rank keep at least this many files open (at most half of RLIMIT_NOFILE)
 MIN_OPEN_FILES = 16
 INT64 = np.iinfo(np.int64)
 
@@ -543,11 +543,11 @@ def _pfs_path(file: Path, staged_tree: StagedTree | None) -> Path:
 
 
 def _open_files_budget() -> int:
-    """How many files a dataset keeps open on this rank: the soft ``RLIMIT_NOFILE`` less
-    :data:`RESERVED_FILES` (the job's own descriptors), at least :data:`MIN_OPEN_FILES`
-    (half the limit below that), at most :data:`MAX_OPEN_FILES`.  First raises the soft
-    limit toward the hard one, to at most ``MAX_OPEN_FILES + RESERVED_FILES``, where that
-    is allowed.  Not collective."""
+    """How many files the datasets open in this process keep open together: the soft
+    ``RLIMIT_NOFILE`` less :data:`RESERVED_FILES` (the job's own descriptors), at least
+    :data:`MIN_OPEN_FILES` (half the limit below that), at most :data:`MAX_OPEN_FILES`.
+    First raises the soft limit toward the hard one, to at most ``MAX_OPEN_FILES +
+    RESERVED_FILES``, where that is allowed.  Not collective."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return MAX_OPEN_FILES
@@ -567,46 +567,50 @@ DescriptorKey = tuple[int, bool]
 
 
 class _Descriptors:
-    """This rank's open descriptors of a dataset's files, at most ``limit`` of them.
+    """This rank's open descriptors of dataset files, shared by every dataset open in the
+    process, at most ``limit`` of them in all.
 
+    Each dataset reaches them through its :class:`_DatasetDescriptors`, whose
     ``open_file(file, direct)`` opens one: (descriptor, opened with ``O_DIRECT``).
-    Past ``limit`` the least recently used are closed, never one a read in flight
-    has pinned (:meth:`pinned`): the background threads (an aggregator's next
-    round, a loader's prefetch) read while another thread may open more.  Thread-safe.
+    Past ``limit`` the least recently used are closed, whichever dataset's they
+    are, never one a read in flight has pinned (:meth:`pinned`): the background
+    threads (an aggregator's next round, a loader's prefetch) read while another
+    thread may open more.  Thread-safe.
     """
 
-    def __init__(self, limit: int, open_file: Callable[[int, bool], tuple[int, bool]]) -> None:
+    def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._open_file = open_file
-        self.held: OrderedDict[DescriptorKey, tuple[int, bool]] = OrderedDict()  # LRU first
-        self._pins: Counter[DescriptorKey] = Counter()
+        self.held: OrderedDict[tuple[Any, int, bool], tuple[int, bool]] = OrderedDict()
+        self._pins: Counter[tuple[Any, int, bool]] = Counter()
         self._lock = threading.Lock()
 
     @contextmanager
     def pinned(
-        self, keys: Iterable[DescriptorKey]
+        self, owner: _DatasetDescriptors, keys: Iterable[DescriptorKey]
     ) -> Iterator[dict[DescriptorKey, tuple[int, bool]]]:
-        """Open the descriptors ``keys`` (or find them open) and keep them open until the
-        block ends: {key: (descriptor, opened with O_DIRECT)}.  Not collective."""
+        """Open ``owner``'s descriptors ``keys`` (or find them open) and keep them open until
+        the block ends: {key: (descriptor, opened with O_DIRECT)}.  Not collective."""
         keys = list(keys)
+        owned = [(owner, *key) for key in keys]
         with self._lock:
-            self._pins.update(keys)
+            self._pins.update(owned)
         try:
-            yield {key: self._get(key) for key in keys}
+            yield {key: self._get(owner, key) for key in keys}
         finally:
             with self._lock:
-                self._pins.subtract(keys)
+                self._pins.subtract(owned)
                 self._pins += Counter()  # drops the keys no longer pinned
                 self._close_unpinned_beyond(self.limit)
 
-    def _get(self, key: DescriptorKey) -> tuple[int, bool]:
+    def _get(self, owner: _DatasetDescriptors, key: DescriptorKey) -> tuple[int, bool]:
+        owned = (owner, *key)
         with self._lock:
-            if key in self.held:
-                self.held.move_to_end(key)
-                return self.held[key]
+            if owned in self.held:
+                self.held.move_to_end(owned)
+                return self.held[owned]
             self._close_unpinned_beyond(self.limit - 1)  # room for this one
-            opened = self._open_file(*key)
-            self.held[key] = opened
+            opened = owner.open_file(*key)
+            self.held[owned] = opened
             return opened
 
     def _close_unpinned_beyond(self, count: int) -> None:
@@ -619,12 +623,51 @@ class _Descriptors:
         for key in list(itertools.islice(unpinned, excess)):
             os.close(self.held.pop(key)[0])
 
-    def close_all(self) -> None:
-        """Close every descriptor (no read may be in flight).  Not collective."""
+    def held_by(self, owner: _DatasetDescriptors) -> dict[DescriptorKey, tuple[int, bool]]:
+        """``owner``'s open descriptors.  Not collective."""
         with self._lock:
-            for fd, _ in self.held.values():
-                os.close(fd)
-            self.held.clear()
+            return {(f, direct): v for (o, f, direct), v in self.held.items() if o is owner}
+
+    def close_all(self, owner: _DatasetDescriptors) -> None:
+        """Close ``owner``'s descriptors (none of its reads may be in flight).  Not
+        collective."""
+        with self._lock:
+            for key in [key for key in self.held if key[0] is owner]:
+                os.close(self.held.pop(key)[0])
+
+
+_SHARED_DESCRIPTORS = _Descriptors(MIN_OPEN_FILES)
+
+
+class _DatasetDescriptors:
+    """A dataset's share of the process's open descriptors (:class:`_Descriptors`):
+    ``open_file(file, direct)`` opens one of its files.  Opening it sets the shared
+    limit anew from ``RLIMIT_NOFILE`` (:func:`_open_files_budget`)."""
+
+    def __init__(
+        self, open_file: Callable[[int, bool], tuple[int, bool]], shared: _Descriptors
+    ) -> None:
+        self.open_file = open_file
+        self.shared = shared
+        shared.limit = _open_files_budget()
+
+    @property
+    def limit(self) -> int:
+        """The most descriptors every dataset of the process keeps open together."""
+        return self.shared.limit
+
+    @property
+    def held(self) -> dict[DescriptorKey, tuple[int, bool]]:
+        """This dataset's open descriptors."""
+        return self.shared.held_by(self)
+
+    def pinned(self, keys: Iterable[DescriptorKey]):
+        """:meth:`_Descriptors.pinned` for this dataset.  Not collective."""
+        return self.shared.pinned(self, keys)
+
+    def close_all(self) -> None:
+        """Close this dataset's descriptors.  Not collective."""
+        self.shared.close_all(self)
 
 
 class Dataset:
@@ -670,7 +713,7 @@ class Dataset:
             _stripe_size(self._path(0)) if comm.Get_rank() == 0 and layout.files else 4096
         )
         self.reads_alone = reads_alone(layout.extents, self.holders, config.read_direct_bytes)
-        self._descriptors = _Descriptors(_open_files_budget(), self._open_file)
+        self._descriptors = _DatasetDescriptors(self._open_file, _SHARED_DESCRIPTORS)
         self._reader: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __len__(self) -> int:
