@@ -5,10 +5,13 @@ ranks."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import pickle
 import resource
+import weakref
 from contextlib import contextmanager
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -35,14 +38,20 @@ def soft_limit(kind: int, value: int):
 # ------------------------------------------------------------ open descriptors
 
 
-def shared_descriptors(paths: list, limit: int, datasets_count: int = 1):
-    """A :class:`_Descriptors` of ``limit`` and that many datasets' shares of it, each
-    opening ``paths`` by index."""
+class FilesOf:
+    """Stands for a dataset: opens ``paths`` by index."""
+
+    def __init__(self, paths: list) -> None:
+        self.paths = paths
+
+    def _open_file(self, f: int, direct: bool) -> tuple[int, bool]:
+        return os.open(self.paths[f], os.O_RDONLY), direct
+
+
+def shared_descriptors(owners: list, limit: int):
+    """A :class:`_Descriptors` of ``limit`` and each of ``owners``' share of it."""
     shared = _Descriptors(limit)
-    views = [
-        _DatasetDescriptors(lambda f, direct: (os.open(paths[f], os.O_RDONLY), direct), shared)
-        for _ in range(datasets_count)
-    ]
+    views = [_DatasetDescriptors(owner, shared) for owner in owners]
     shared.limit = limit  # each view set it from RLIMIT_NOFILE
     return shared, views
 
@@ -51,7 +60,8 @@ def test_descriptors_in_use_stay_open_and_the_others_within_the_limit(tmp_path):
     paths = [tmp_path / f"f{i}" for i in range(4)]
     for path in paths:
         path.write_bytes(b"x")
-    _, (cache,) = shared_descriptors(paths, 2)
+    owner = FilesOf(paths)
+    _, (cache,) = shared_descriptors([owner], 2)
     with cache.pinned([(0, False), (1, False)]) as first:
         with cache.pinned([(2, True)]) as second:  # a second reader: over the limit, for now
             in_use = {**first, **second}
@@ -71,7 +81,8 @@ def test_the_datasets_of_a_process_share_one_limit(tmp_path):
     paths = [tmp_path / f"f{i}" for i in range(4)]
     for path in paths:
         path.write_bytes(b"x")
-    shared, (train, validation) = shared_descriptors(paths, 3, datasets_count=2)
+    owners = [FilesOf(paths), FilesOf(paths)]
+    shared, (train, validation) = shared_descriptors(owners, 3)
     for f in range(3):
         with train.pinned([(f, False)]):
             pass
@@ -82,6 +93,23 @@ def test_the_datasets_of_a_process_share_one_limit(tmp_path):
     assert list(shared.held) and list(train.held) == [(2, False)] and not validation.held
     train.close_all()
     assert not shared.held
+
+
+def test_a_dataset_collected_without_close_has_its_descriptors_closed(tmp_path):
+    """The shared descriptors refer to a dataset weakly: they neither keep it alive nor
+    keep its files open once it is collected."""
+    path = tmp_path / "f0"
+    path.write_bytes(b"x")
+    owner = FilesOf([path])
+    shared, (view,) = shared_descriptors([owner], 4)
+    with view.pinned([(0, False)]) as opened:
+        fd = opened[(0, False)][0]
+    collected = weakref.ref(owner)
+    del owner
+    gc.collect()
+    assert collected() is None and not shared.held
+    link = Path(f"/proc/self/fd/{fd}")  # closed, or its number reused by another file
+    assert not link.exists() or link.resolve() != path.resolve()
 
 
 def directory_of_samples(comm, root, count: int):

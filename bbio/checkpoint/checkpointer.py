@@ -1196,7 +1196,7 @@ class Checkpointer:
             os.close(os.open(stop, os.O_WRONLY | os.O_CREAT, 0o644))
         except OSError as exc:
             log.warning(
-                "bbio: checkpoint %s, node %d: cannot create %s (%s); its drain stops once "
+                "checkpoint %s, node %d: cannot create %s (%s); its drain stops once "
                 "this process has exited",
                 self.name,
                 self.node,

@@ -38,7 +38,7 @@ import threading
 import uuid
 import weakref
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -641,15 +641,22 @@ _SHARED_DESCRIPTORS = _Descriptors(MIN_OPEN_FILES)
 
 class _DatasetDescriptors:
     """A dataset's share of the process's open descriptors (:class:`_Descriptors`):
-    ``open_file(file, direct)`` opens one of its files.  Opening it sets the shared
-    limit anew from ``RLIMIT_NOFILE`` (:func:`_open_files_budget`)."""
+    :meth:`open_file` opens one of its files.  Making it sets the shared limit anew from
+    ``RLIMIT_NOFILE`` (:func:`_open_files_budget`).  It refers to the dataset weakly,
+    and a dataset collected without ``close()`` has its descriptors closed: the shared
+    descriptors do not keep it, nor its memory, alive."""
 
-    def __init__(
-        self, open_file: Callable[[int, bool], tuple[int, bool]], shared: _Descriptors
-    ) -> None:
-        self.open_file = open_file
+    def __init__(self, dataset: Dataset, shared: _Descriptors) -> None:
+        self._open_file = weakref.WeakMethod(dataset._open_file)
         self.shared = shared
         shared.limit = _open_files_budget()
+        weakref.finalize(dataset, shared.close_all, self)
+
+    def open_file(self, f: int, direct: bool) -> tuple[int, bool]:
+        """The dataset's :meth:`Dataset._open_file`.  Not collective."""
+        open_file = self._open_file()
+        assert open_file is not None, "a dataset's reads keep it alive"
+        return open_file(f, direct)
 
     @property
     def limit(self) -> int:
@@ -713,7 +720,7 @@ class Dataset:
             _stripe_size(self._path(0)) if comm.Get_rank() == 0 and layout.files else 4096
         )
         self.reads_alone = reads_alone(layout.extents, self.holders, config.read_direct_bytes)
-        self._descriptors = _DatasetDescriptors(self._open_file, _SHARED_DESCRIPTORS)
+        self._descriptors = _DatasetDescriptors(self, _SHARED_DESCRIPTORS)
         self._reader: concurrent.futures.ThreadPoolExecutor | None = None
 
     def __len__(self) -> int:
