@@ -235,10 +235,13 @@ def test_close_on_a_full_burst_buffer_stops_every_drain(comm, shared_tmp):
 
 
 @pytest.mark.timeout(120)
-def test_close_where_the_stop_file_cannot_be_made_warns_and_returns(comm, shared_tmp, caplog):
+@pytest.mark.parametrize("wait", [True, False])
+def test_close_where_the_stop_file_cannot_be_made_warns_and_returns(comm, shared_tmp, caplog, wait):
     """Node 0's burst buffer has no inode left: its leader cannot even create the empty
-    stop file.  close() says so and returns on every rank; that drain stops once the
-    stop file is there, or once the training process is gone."""
+    stop file.  close() says so and returns on every rank.  Once every save is drained
+    (``wait``), that node's idle drain is terminated; else (as on an exception inside
+    ``with``) it goes on, and stops once the stop file is there or the training process
+    is gone."""
     rank = comm.Get_rank()
     with small_burst_buffers(comm, shared_tmp, "4m", inodes=64) as bb_root:
         config = config_for(comm, shared_tmp, bb_root=bb_root, ckpt_recycle="off")
@@ -255,14 +258,19 @@ def test_close_where_the_stop_file_cannot_be_made_warns_and_returns(comm, shared
         comm.Barrier()
         leader, drain_process = ckpt.topo.is_leader, ckpt._drain
         with caplog.at_level(logging.WARNING, logger="bbio"):
-            ckpt.close(timeout=60)
+            ckpt.close(wait=wait, timeout=60)
         if rank == 0:
             assert f"cannot create {journal / 'stop'}" in caplog.text, caplog.text
-            assert "its drain stops once this process has exited" in caplog.text
-            assert drain_process.poll() is None  # still waiting to be told
-            for filler in inode_fillers[:-1]:
-                filler.unlink()
-            (journal / "stop").touch()
+            if wait:
+                assert "its drain, idle, was terminated" in caplog.text, caplog.text
+                assert drain_process.poll() is not None
+            else:
+                assert "stops once the training process has exited" in caplog.text
+                assert drain_process.poll() is None  # still waiting to be told
+        for filler in inode_fillers[:-1]:
+            filler.unlink()
+        if leader:
+            (
+                journal.parents[3] / str(node_of(comm)) / "ckpt" / "inodes" / ".journal" / "stop"
+            ).touch()
             drain_process.wait(timeout=30)
-        elif leader:
-            assert drain_process.poll() is not None

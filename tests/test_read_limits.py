@@ -9,6 +9,8 @@ import gc
 import os
 import pickle
 import resource
+import signal
+import threading
 import weakref
 from contextlib import contextmanager
 from pathlib import Path
@@ -61,18 +63,43 @@ def test_descriptors_in_use_stay_open_and_the_others_within_the_limit(tmp_path):
     for path in paths:
         path.write_bytes(b"x")
     owner = FilesOf(paths)
-    _, (cache,) = shared_descriptors([owner], 2)
-    with cache.pinned([(0, False), (1, False)]) as first:
-        with cache.pinned([(2, True)]) as second:  # a second reader: over the limit, for now
-            in_use = {**first, **second}
-            assert set(cache.held) == set(in_use)
-            for (f, _), (fd, _) in in_use.items():  # none was closed (nor its number reused)
-                assert os.fstat(fd).st_ino == paths[f].stat().st_ino
-        assert set(cache.held) == {(0, False), (1, False)}  # back within the limit
-    with cache.pinned([(3, False)]):
-        assert list(cache.held) == [(1, False), (3, False)]  # the least recently used went
+    _, (cache,) = shared_descriptors([owner], 3)
+    with (
+        cache.pinned([(0, False), (1, False)]) as first,
+        cache.pinned([(2, True)]) as second,  # a second reader, within the limit
+    ):
+        in_use = {**first, **second}
+        assert set(cache.held) == set(in_use)
+        for (f, _), (fd, _) in in_use.items():
+            assert os.fstat(fd).st_ino == paths[f].stat().st_ino
+    with cache.pinned([(3, False)]):  # the least recently used went
+        assert list(cache.held) == [(1, False), (2, True), (3, False)]
     cache.close_all()
     assert not cache.held
+
+
+def test_a_read_that_would_pin_beyond_the_limit_waits_for_the_reads_in_flight(tmp_path):
+    """Before, reads in flight at once (a loader's prefetch, an aggregator's round,
+    another dataset's read) could each pin up to the limit: twice RLIMIT_NOFILE's
+    budget, EMFILE.  A read now waits until the pinned ones leave it room."""
+    paths = [tmp_path / f"f{i}" for i in range(3)]
+    for path in paths:
+        path.write_bytes(b"x")
+    owners = [FilesOf(paths), FilesOf(paths)]
+    shared, (train, validation) = shared_descriptors(owners, 2)
+    entered = threading.Event()
+
+    def read_validation() -> None:
+        with validation.pinned([(2, False)]):
+            entered.set()
+
+    reader = threading.Thread(target=read_validation)
+    with train.pinned([(0, False), (1, False)]):
+        reader.start()
+        assert not entered.wait(0.3)  # three would be pinned: it waits
+        assert len(shared.held) == 2
+    reader.join(timeout=10)
+    assert entered.is_set() and len(shared.held) <= 2
 
 
 def test_the_datasets_of_a_process_share_one_limit(tmp_path):
@@ -95,6 +122,36 @@ def test_the_datasets_of_a_process_share_one_limit(tmp_path):
     assert not shared.held
 
 
+def test_a_forked_child_opens_files_while_the_parent_held_the_lock(tmp_path):
+    """Another thread of the parent holds the shared descriptors' lock when the process
+    forks: the child starts with a new lock instead of waiting for ever."""
+    path = tmp_path / "f0"
+    path.write_bytes(b"x")
+    owner = FilesOf([path])
+    shared = datasets._SHARED_DESCRIPTORS  # the process's, which datasets use
+    view = _DatasetDescriptors(owner, shared)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with shared._changed:
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold_the_lock)
+    holder.start()
+    holding.wait(10)
+    child = os.fork()
+    if child == 0:  # the child: exit status 0 if it could read, killed after 10 s if not
+        signal.alarm(10)
+        with view.pinned([(0, False)]) as opened:
+            os._exit(0 if os.pread(opened[(0, False)][0], 1, 0) == b"x" else 1)
+    release.set()
+    holder.join()
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    view.close_all()
+
+
 def test_a_dataset_collected_without_close_has_its_descriptors_closed(tmp_path):
     """The shared descriptors refer to a dataset weakly: they neither keep it alive nor
     keep its files open once it is collected."""
@@ -107,7 +164,8 @@ def test_a_dataset_collected_without_close_has_its_descriptors_closed(tmp_path):
     collected = weakref.ref(owner)
     del owner
     gc.collect()
-    assert collected() is None and not shared.held
+    assert collected() is None
+    assert not view.held and not shared.held  # closed once the lock is next taken
     link = Path(f"/proc/self/fd/{fd}")  # closed, or its number reused by another file
     assert not link.exists() or link.resolve() != path.resolve()
 

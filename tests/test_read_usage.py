@@ -562,7 +562,7 @@ def test_ids_beyond_int64_are_named_as_passed(comm, data, mode, ids):
     float64) was named as a float."""
     root, config = data
     config = dataclasses.replace(config, **MODES[mode])
-    big = 2**63 + 5 if ids == "uint64" else 2**70 + 1
+    big = {"uint64": 2**63 + 5, "python int": 2**70, "python int beside a negative": 2**64 - 1}[ids]
     with bbio.open_dataset(comm, root / "x.raw", record_bytes=4, config=config) as ds:
         wrong = {
             "uint64": [3, big],

@@ -1175,9 +1175,8 @@ class Checkpointer:
                     time.sleep(0.05)
                 drained = True
         finally:
-            told = self.topo.is_leader and self._tell_drain_to_stop()
-            if told and self._drain is not None and drained:
-                self._drain.wait()  # its queue is empty: it only trims and exits
+            if self.topo.is_leader:
+                self._stop_drain(drained)
             if drained:
                 self.comm.Barrier()
             self._closed = True
@@ -1187,24 +1186,31 @@ class Checkpointer:
             self.topo.free()
             self.comm.Free()
 
-    def _tell_drain_to_stop(self) -> bool:
-        """Node leader: create the journal's (empty) stop file; False, with a warning, if
-        it cannot be created.  A full burst buffer does not refuse an empty file where it
-        would refuse a written one, and the drain stops when this process is gone anyway."""
+    def _stop_drain(self, drained: bool) -> None:
+        """Node leader: tell this node's drain to stop with the journal's (empty) stop
+        file, which a full burst buffer still takes; with every save ``drained``, wait
+        for the drain this process started to exit (its queue is empty: it only trims).
+        Where the file cannot be created, that drain is terminated, and another drain
+        stops once its training process is gone; said in a warning.  Never raises."""
         stop = self.journal / drain.STOP
+        ours = self._drain if drained else None
         try:
             os.close(os.open(stop, os.O_WRONLY | os.O_CREAT, 0o644))
         except OSError as exc:
+            if ours is not None:
+                ours.terminate()
             log.warning(
-                "checkpoint %s, node %d: cannot create %s (%s); its drain stops once "
-                "this process has exited",
+                "checkpoint %s, node %d: cannot create %s (%s); %s",
                 self.name,
                 self.node,
                 stop,
                 exc.strerror or exc,
+                "its drain, idle, was terminated"
+                if ours is not None
+                else "its drain stops once the training process has exited",
             )
-            return False
-        return True
+        if ours is not None:
+            ours.wait()
 
     def __enter__(self) -> Checkpointer:
         return self

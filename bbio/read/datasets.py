@@ -574,42 +574,61 @@ class _Descriptors:
     ``open_file(file, direct)`` opens one: (descriptor, opened with ``O_DIRECT``).
     Past ``limit`` the least recently used are closed, whichever dataset's they
     are, never one a read in flight has pinned (:meth:`pinned`): the background
-    threads (an aggregator's next round, a loader's prefetch) read while another
-    thread may open more.  Thread-safe.
+    threads (an aggregator's next round, a loader's prefetch, another dataset's
+    reads) read while another thread may open more.  A read that would pin more
+    than ``limit`` together with the reads in flight waits for them.  Files are
+    opened outside the lock: a slow open delays no other read.  Thread-safe, and
+    a forked child starts with a new lock.
     """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held: OrderedDict[tuple[Any, int, bool], tuple[int, bool]] = OrderedDict()
         self._pins: Counter[tuple[Any, int, bool]] = Counter()
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
+        # datasets collected without close(): their descriptors are closed under the lock
+        # next time it is taken (a collection may run in a thread that holds it)
+        self.collected: list[_DatasetDescriptors] = []
 
     @contextmanager
     def pinned(
         self, owner: _DatasetDescriptors, keys: Iterable[DescriptorKey]
     ) -> Iterator[dict[DescriptorKey, tuple[int, bool]]]:
         """Open ``owner``'s descriptors ``keys`` (or find them open) and keep them open until
-        the block ends: {key: (descriptor, opened with O_DIRECT)}.  Not collective."""
+        the block ends: {key: (descriptor, opened with O_DIRECT)}.  Waits while other
+        reads pin so many that these would take the pinned ones beyond ``limit`` (alone,
+        a read is never held back).  Not collective."""
         keys = list(keys)
         owned = [(owner, *key) for key in keys]
-        with self._lock:
+        with self._changed:
+            self._close_collected()
+            self._changed.wait_for(
+                lambda: not self._pins or len(self._pins.keys() | owned) <= self.limit
+            )
             self._pins.update(owned)
         try:
             yield {key: self._get(owner, key) for key in keys}
         finally:
-            with self._lock:
+            with self._changed:
                 self._pins.subtract(owned)
                 self._pins += Counter()  # drops the keys no longer pinned
                 self._close_unpinned_beyond(self.limit)
+                self._changed.notify_all()
 
     def _get(self, owner: _DatasetDescriptors, key: DescriptorKey) -> tuple[int, bool]:
+        """``owner``'s descriptor ``key``, which the caller has pinned."""
         owned = (owner, *key)
-        with self._lock:
+        with self._changed:
             if owned in self.held:
                 self.held.move_to_end(owned)
                 return self.held[owned]
+        opened = owner.open_file(*key)
+        with self._changed:
+            if owned in self.held:  # another read opened it meanwhile
+                os.close(opened[0])
+                self.held.move_to_end(owned)
+                return self.held[owned]
             self._close_unpinned_beyond(self.limit - 1)  # room for this one
-            opened = owner.open_file(*key)
             self.held[owned] = opened
             return opened
 
@@ -623,20 +642,38 @@ class _Descriptors:
         for key in list(itertools.islice(unpinned, excess)):
             os.close(self.held.pop(key)[0])
 
+    def _close_collected(self) -> None:
+        """Close the descriptors of the datasets collected without ``close()``.  Holds the
+        lock."""
+        while self.collected:
+            self._close_owned(self.collected.pop())
+
+    def _close_owned(self, owner: _DatasetDescriptors) -> None:
+        for key in [key for key in self.held if key[0] is owner]:
+            os.close(self.held.pop(key)[0])
+
     def held_by(self, owner: _DatasetDescriptors) -> dict[DescriptorKey, tuple[int, bool]]:
         """``owner``'s open descriptors.  Not collective."""
-        with self._lock:
+        with self._changed:
+            self._close_collected()
             return {(f, direct): v for (o, f, direct), v in self.held.items() if o is owner}
 
     def close_all(self, owner: _DatasetDescriptors) -> None:
         """Close ``owner``'s descriptors (none of its reads may be in flight).  Not
         collective."""
-        with self._lock:
-            for key in [key for key in self.held if key[0] is owner]:
-                os.close(self.held.pop(key)[0])
+        with self._changed:
+            self._close_collected()
+            self._close_owned(owner)
+
+    def after_fork_in_child(self) -> None:
+        """A forked child has only the thread that forked: a new lock, no read in flight
+        (the descriptors stay, inherited)."""
+        self._changed = threading.Condition()
+        self._pins.clear()
 
 
 _SHARED_DESCRIPTORS = _Descriptors(MIN_OPEN_FILES)
+os.register_at_fork(after_in_child=_SHARED_DESCRIPTORS.after_fork_in_child)
 
 
 class _DatasetDescriptors:
@@ -650,7 +687,7 @@ class _DatasetDescriptors:
         self._open_file = weakref.WeakMethod(dataset._open_file)
         self.shared = shared
         shared.limit = _open_files_budget()
-        weakref.finalize(dataset, shared.close_all, self)
+        weakref.finalize(dataset, shared.collected.append, self)  # takes no lock
 
     def open_file(self, f: int, direct: bool) -> tuple[int, bool]:
         """The dataset's :meth:`Dataset._open_file`.  Not collective."""
