@@ -1187,25 +1187,27 @@ class Checkpointer:
             self.comm.Free()
 
     def _stop_drain(self, drained: bool) -> None:
-        """Node leader: tell this node's drain to stop with the journal's (empty) stop
-        file, which a full burst buffer still takes; with every save ``drained``, wait
-        for the drain this process started to exit (its queue is empty: it only trims).
-        Where the file cannot be created, that drain is terminated, and another drain
-        stops once its training process is gone; said in a warning.  Never raises."""
+        """Node leader: tell this node's drain to stop once idle with the journal's (empty)
+        stop file, which a full burst buffer still takes; with every save ``drained``,
+        wait for the drain this process started to exit (it only trims, and deletes the
+        spares).  Where the file cannot be created, that drain is told by
+        :data:`drain.STOP_SIGNAL` instead, and another drain stops once its training
+        process is gone; said in a warning.  Never raises."""
         stop = self.journal / drain.STOP
-        ours = self._drain if drained else None
+        running = self._drain is not None and self._drain.poll() is None
+        ours = self._drain if drained and running else None
         try:
             os.close(os.open(stop, os.O_WRONLY | os.O_CREAT, 0o644))
         except OSError as exc:
-            if ours is not None:
-                ours.terminate()
+            if ours is not None:  # it has drained saves: its handler is in place
+                ours.send_signal(drain.STOP_SIGNAL)
             log.warning(
                 "checkpoint %s, node %d: cannot create %s (%s); %s",
                 self.name,
                 self.node,
                 stop,
                 exc.strerror or exc,
-                "its drain, idle, was terminated"
+                "its drain was told to stop by a signal"
                 if ours is not None
                 else "its drain stops once the training process has exited",
             )

@@ -70,6 +70,7 @@ import fcntl
 import json
 import os
 import select
+import signal
 import socket
 import stat
 import sys
@@ -90,6 +91,9 @@ from bbio.transfer import files
 JOURNAL = ".journal"
 LOCK, STATUS, STOP, TARGET, WAKE = "drain.lock", "status.json", "stop", "target.json", "wake"
 NEXT_LOCK = "next.lock"  # held by the one background drain waiting for ``LOCK``
+#: tells a background drain what the stop file tells it, where that cannot be made
+STOP_SIGNAL = signal.SIGUSR1
+_told_to_stop = threading.Event()  # set by STOP_SIGNAL
 WAITERS = "waiters"  # one FIFO per waiting process, told of every new status
 HALF_MADE_WAITER_SECONDS = 60.0  # a hidden waiter FIFO this old was left by a dead process
 COMMIT_LOCK = ".commit.lock"
@@ -2198,7 +2202,7 @@ def _drain(
                     if not _trim_after(journal, untrimmed):  # other nodes may have committed
                         untrimmed = None
                     trimmed_at = now
-                if finish or (journal / STOP).exists() or not _process_alive(parent):
+                if finish or _asked_to_stop(journal) or not _process_alive(parent):
                     _announce_set_aside(journal, announced)  # a last try before leaving
                     if untrimmed is not None:
                         _trim_after(journal, untrimmed, recycle=False)
@@ -2397,7 +2401,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parent", type=int, help="exit once this process is gone and idle")
     args = parser.parse_args(argv)
     run_on_any_cpu()
+    signal.signal(STOP_SIGNAL, lambda *_: _told_to_stop.set())
     return run(args.journal, args.parent, finish=False, timeout=None)
+
+
+def _asked_to_stop(journal: Path) -> bool:
+    """Has the training process asked this drain to stop once idle: the journal's stop
+    file, or :data:`STOP_SIGNAL` where that file could not be made?"""
+    return _told_to_stop.is_set() or (journal / STOP).exists()
 
 
 def run_on_any_cpu() -> None:
