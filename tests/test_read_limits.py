@@ -122,6 +122,72 @@ def test_the_datasets_of_a_process_share_one_limit(tmp_path):
     assert not shared.held
 
 
+class SlowFilesOf(FilesOf):
+    """Stands for a dataset on a slow PFS: opening file 1 waits for ``opening_may_end``."""
+
+    def __init__(self, paths: list) -> None:
+        super().__init__(paths)
+        self.opening, self.opening_may_end = threading.Event(), threading.Event()
+
+    def _open_file(self, f: int, direct: bool) -> tuple[int, bool]:
+        if f == 1:
+            self.opening.set()
+            self.opening_may_end.wait(10)
+        return super()._open_file(f, direct)
+
+
+def test_a_slow_open_holds_up_no_read_of_a_file_already_open(tmp_path):
+    """Before, files were opened under the lock of the descriptors every dataset
+    shares: one slow open on the PFS held up every read of the process."""
+    paths = [tmp_path / f"f{i}" for i in range(2)]
+    for path in paths:
+        path.write_bytes(b"x")
+    owner = SlowFilesOf(paths)
+    _, (view,) = shared_descriptors([owner], 4)
+    with view.pinned([(0, False)]):
+        pass  # file 0 stays open
+
+    def open_slowly() -> None:
+        with view.pinned([(1, False)]):
+            pass
+
+    slow = threading.Thread(target=open_slowly)
+    slow.start()
+    owner.opening.wait(10)
+    read = threading.Event()
+
+    def read_open_file() -> None:
+        with view.pinned([(0, False)]):
+            read.set()
+
+    reader = threading.Thread(target=read_open_file)
+    reader.start()
+    try:
+        assert read.wait(5), "the read of an open file waited for another file's open"
+    finally:
+        owner.opening_may_end.set()
+        slow.join()
+        reader.join()
+
+
+@pytest.mark.timeout(30)  # before the fix: a deadlock
+def test_a_collection_in_a_thread_holding_the_lock_does_not_deadlock(tmp_path):
+    """A dataset dropped in a reference cycle is collected whenever the garbage collector
+    runs, in whatever thread, which may hold the shared descriptors' lock: its
+    finalizer takes no lock."""
+    path = tmp_path / "f0"
+    path.write_bytes(b"x")
+    owner = FilesOf([path])
+    owner.cycle = owner
+    shared, (view,) = shared_descriptors([owner], 4)
+    with view.pinned([(0, False)]):
+        pass
+    del owner
+    with shared._changed:  # as inside any call of the pool
+        gc.collect()
+    assert not view.held and not shared.held
+
+
 def test_a_forked_child_opens_files_while_the_parent_held_the_lock(tmp_path):
     """Another thread of the parent holds the shared descriptors' lock when the process
     forks: the child starts with a new lock instead of waiting for ever."""

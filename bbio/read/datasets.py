@@ -585,7 +585,7 @@ class _Descriptors:
         self.limit = limit
         self.held: OrderedDict[tuple[Any, int, bool], tuple[int, bool]] = OrderedDict()
         self._pins: Counter[tuple[Any, int, bool]] = Counter()
-        self._changed = threading.Condition()
+        self._changed = threading.Condition(threading.Lock())
         # datasets collected without close(): their descriptors are closed under the lock
         # next time it is taken (a collection may run in a thread that holds it)
         self.collected: list[_DatasetDescriptors] = []
@@ -668,7 +668,7 @@ class _Descriptors:
     def after_fork_in_child(self) -> None:
         """A forked child has only the thread that forked: a new lock, no read in flight
         (the descriptors stay, inherited)."""
-        self._changed = threading.Condition()
+        self._changed = threading.Condition(threading.Lock())
         self._pins.clear()
 
 
