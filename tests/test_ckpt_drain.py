@@ -2051,3 +2051,26 @@ def test_a_look_at_whether_a_drain_runs_does_not_see_another_look(tmp_path):
         finally:
             os.close(fd)
         assert not is_held(journal)
+
+
+@pytest.mark.timeout(60)
+def test_a_background_drain_whose_parent_pid_was_reused_leaves_once_idle(tmp_path):
+    """A background drain tells its training process from a later process given the same
+    PID (the parent's start time, read when the drain starts).  Before, a reused PID kept
+    an idle drain, and its spares, waiting for ever."""
+    journal = tmp_path / "bb" / layout.CKPT_DIR / "run" / drain.JOURNAL
+    journal.mkdir(parents=True)
+    me = os.getpid()
+    assert drain.run(journal, me, finish=False, timeout=None, parent_started="other:0") == 0
+    results: list[int] = []
+    alive_parent = threading.Thread(
+        target=lambda: results.append(
+            drain.run(journal, me, finish=False, timeout=None, parent_started=drain._started(me))
+        )
+    )
+    alive_parent.start()
+    time.sleep(0.5)
+    assert alive_parent.is_alive(), "the drain left while its training process runs"
+    (journal / drain.STOP).touch()
+    alive_parent.join(30)
+    assert results == [0]

@@ -2052,11 +2052,19 @@ def _lock_soon(fd: int, tries: int = 10) -> bool:
     return False
 
 
-def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) -> int:
+def run(
+    journal: Path,
+    parent: int | None,
+    finish: bool,
+    timeout: float | None,
+    parent_started: str | None = None,
+) -> int:
     """Drain ``journal`` until it is empty (and, in the background, until told to stop).
 
     Background mode (``finish`` False) exits once the queue is empty and the
-    training process ``parent`` is gone or has asked it to stop.  Finish mode
+    training process ``parent`` is gone (or a later process has its PID: one that did
+    not start at ``parent_started``, :func:`_started`, when given) or has asked it to
+    stop.  Finish mode
     exits when the queue is empty, or with status 1 at ``timeout``.  Returns
     the exit status.
 
@@ -2089,7 +2097,7 @@ def run(journal: Path, parent: int | None, finish: bool, timeout: float | None) 
             os.close(next_fd)
             next_fd = None
         with contextlib.closing(_Waker(journal)) as waker:
-            return _drain(journal, parent, finish, deadline, waker)
+            return _drain(journal, (parent, parent_started), finish, deadline, waker)
     finally:
         if next_fd is not None:
             os.close(next_fd)
@@ -2106,7 +2114,11 @@ class _Finishing:
 
 
 def _drain(
-    journal: Path, parent: int | None, finish: bool, deadline: float | None, waker: _Waker
+    journal: Path,
+    parent: tuple[int | None, str | None],
+    finish: bool,
+    deadline: float | None,
+    waker: _Waker,
 ) -> int:
     """The drain's loop: tasks in step order; one that fails is tried again after a
     backoff (1 s, doubling up to 30 s) while the others go on.  A save whose node
@@ -2202,7 +2214,7 @@ def _drain(
                     if not _trim_after(journal, untrimmed):  # other nodes may have committed
                         untrimmed = None
                     trimmed_at = now
-                if finish or _asked_to_stop(journal) or not _process_alive(parent):
+                if finish or _asked_to_stop(journal) or not _process_alive(*parent):
                     _announce_set_aside(journal, announced)  # a last try before leaving
                     if untrimmed is not None:
                         _trim_after(journal, untrimmed, recycle=False)
@@ -2402,7 +2414,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run_on_any_cpu()
     signal.signal(STOP_SIGNAL, lambda *_: _told_to_stop.set())
-    return run(args.journal, args.parent, finish=False, timeout=None)
+    started = _started(args.parent) if args.parent else None  # it started this drain
+    return run(args.journal, args.parent, finish=False, timeout=None, parent_started=started)
 
 
 def _asked_to_stop(journal: Path) -> bool:
