@@ -109,7 +109,7 @@ class Loader:
         self._thread: threading.Thread | None = None
         self._iterated = False  # iter() was called
         self._started = False  # the first step was asked for
-        self._finished = False  # the training thread took the last step, or an error
+        self._failed = False  # a step raised: the iteration ended
         self._taken = 0  # steps the training thread took
         self._total = max(0, self.epochs * self._steps - self.start_step)
         # The first epoch's shuffle is drawn now, not in the first step: for a
@@ -128,12 +128,8 @@ class Loader:
         """Whether the loader is mid-iteration: its first step was asked for, and it is
         neither closed nor at its end (the training thread took the schedule's last step,
         or an error).  The same on every rank, which all iterate alike.  Not collective."""
-        return self._started and not self._closing and not self._finished
-
-    def _took_step(self) -> None:
-        self._taken += 1
-        if self._taken == self._total:
-            self._finished = True
+        ended = self._failed or self._taken == self._total
+        return self._started and not self._closing and not ended
 
     def _schedule(self) -> Iterator[tuple]:
         step = 0
@@ -194,17 +190,16 @@ class Loader:
     def _batches(self) -> Iterator:
         self._started = True
         if self.prefetch == 0:  # may be iterated again: each iteration counts its own steps
-            self._finished, self._taken = False, 0
+            self._failed, self._taken = False, 0
             for batches in self._schedule():
                 self._check_open()
                 try:
                     self.indices, data = self._fetch(batches)
                 except BaseException:  # raised alike on every rank: the iteration ends
-                    self._finished = True
+                    self._failed = True
                     raise
-                self._took_step()
+                self._taken += 1
                 yield data
-            self._finished = True
             return
         self._allow(self.prefetch)
         self._thread = threading.Thread(target=self._background, name="bbio-loader", daemon=True)
@@ -212,15 +207,14 @@ class Loader:
         while True:
             self._check_open()
             kind, item = self._queue.get()
-            if kind in ("end", "error"):
-                self._finished = True
             if kind == "end":
                 return
             if kind == "error":
+                self._failed = True
                 raise item
             self._allow(1)
             self.indices, data = item
-            self._took_step()
+            self._taken += 1
             yield data
 
     def close(self) -> None:

@@ -168,7 +168,7 @@ class _Listed:
     subdirs: list[str] = dataclasses.field(default_factory=list)
     skipped: list[Skipped] = dataclasses.field(default_factory=list)
     unreadable: list[Skipped] = dataclasses.field(default_factory=list)
-    empty: list[str] = dataclasses.field(default_factory=list)  # the directory, if it held nothing
+    empty: bool = False  # the directory held nothing
 
 
 def _list_dir(root: Path, rel: str, unreadable: list[Skipped]) -> Iterator[os.DirEntry]:
@@ -213,8 +213,7 @@ def _list_and_stat(root: Path, rel: str, include: Sequence[str], exclude: Sequen
                 listed.subdirs.append(name)
             elif found.kind == FILE and not readable(item.path, st):
                 listed.unreadable.append(Skipped(name, "permission denied"))
-    if names == 0 and not listed.unreadable:
-        listed.empty.append(rel)
+    listed.empty = names == 0 and not listed.unreadable
     return listed
 
 
@@ -358,14 +357,15 @@ def walk(
 
         def list_my_share() -> tuple[list[Entry], list[str], list[str]]:
             found, subdirs, nothing_in = [], [], []
-            for listed in pool.map(
-                lambda rel: _list_and_stat(root, rel, include, exclude), level[rank::size]
-            ):
+            share = level[rank::size]
+            listings = pool.map(lambda rel: _list_and_stat(root, rel, include, exclude), share)
+            for rel, listed in zip(share, listings, strict=True):
                 found.extend(listed.found)
                 subdirs.extend(listed.subdirs)
                 skipped.extend(listed.skipped)
                 unreadable.extend(listed.unreadable)
-                nothing_in.extend(listed.empty)
+                if listed.empty:
+                    nothing_in.append(rel)
             return found, subdirs, nothing_in
 
         while level:
