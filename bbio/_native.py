@@ -13,6 +13,7 @@ import dataclasses
 import errno
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -161,6 +162,67 @@ def pwrite_crc(fd: int, data, offset: int, path: str | os.PathLike | None = None
     if err:
         raise errno_error(err, "write", path)
     return int(crc[0])
+
+
+TMPFS_MAGIC = 0x01021994  # statfs' f_type of tmpfs
+
+
+def on_tmpfs(fd: int, path: str | os.PathLike | None = None) -> bool:
+    """Whether the open file ``fd`` is on tmpfs.  ``path`` only names the file in errors."""
+    magic = ffi.new("int64_t *")
+    err = _lib().bbio_fs_magic(fd, magic)
+    if err:
+        raise errno_error(err, "find the file system of", path)
+    return int(magic[0]) == TMPFS_MAGIC
+
+
+class SharedMapping:
+    """Bytes ``start`` (rounded down to a page) to ``end`` of the file open read-write as
+    ``fd``, mapped shared and writable and left out of forked children.  The file must
+    stay at least ``end`` bytes long while it is mapped: a write past a file's end is a
+    SIGBUS.  Not thread-safe.  ``path`` only names the file in errors."""
+
+    def __init__(self, fd: int, start: int, end: int, path: str | os.PathLike | None = None):
+        self.start = start - start % os.sysconf("SC_PAGE_SIZE")
+        self.end = end
+        self.path = path
+        addr = ffi.new("void **")
+        err = _lib().bbio_map_shared(fd, self.start, end - self.start, addr)
+        if err:
+            raise errno_error(err, "map", path)
+        self._base = ffi.cast("unsigned char *", addr[0])
+        self._unmap = weakref.finalize(self, _lib().bbio_unmap, addr[0], end - self.start)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` or :meth:`forget` was called."""
+        return not self._unmap.alive
+
+    def write_crc(self, data, offset: int) -> int:
+        """Copy the contiguous buffer ``data`` to the file's ``offset``; returns the CRC32C
+        of the bytes written, computed in the same pass."""
+        view = memoryview(data)
+        if not view.contiguous:
+            raise UsageError("write_crc needs a contiguous buffer")
+        if self.closed or offset < self.start or offset + view.nbytes > self.end:
+            raise UsageError(
+                f"cannot write bytes {offset} to {offset + view.nbytes} of {self.path} "
+                f"through {'a closed mapping' if self.closed else 'a mapping'} of bytes "
+                f"{self.start} to {self.end}"
+            )
+        crc = ffi.new("uint32_t *")
+        _lib().bbio_copy_crc(
+            self._base + (offset - self.start), ffi.from_buffer(view), view.nbytes, crc
+        )
+        return int(crc[0])
+
+    def close(self) -> None:
+        """Unmap the bytes (the file's pages stay the file's)."""
+        self._unmap()
+
+    def forget(self) -> None:
+        """In a forked child, which has no such mapping: drop this object without unmapping."""
+        self._unmap.detach()
 
 
 def open_direct(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int | None:

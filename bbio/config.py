@@ -149,7 +149,8 @@ class Config:
         "on",
         "on (default): the burst buffer keeps the file of a trimmed checkpoint, and the "
         "node's next save of the same arrays rewrites it in place instead of writing a new "
-        "file (on tmpfs about twice as fast); off: trimmed files are deleted.",
+        "file (on tmpfs about twice as fast, and faster again through the mapping of it "
+        "each rank keeps); off: trimmed files are deleted.",
         choices=("on", "off"),
     )
     stage_round_bytes: int = _setting(

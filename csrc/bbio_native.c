@@ -10,7 +10,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -591,6 +593,62 @@ int bbio_pwrite_crc(int fd, const void *buf, int64_t len, int64_t off, uint32_t 
         off += (int64_t)n;
         len -= (int64_t)n;
     }
+    return 0;
+}
+
+int bbio_map_shared(int fd, int64_t offset, int64_t len, void **addr)
+{
+    long page = sysconf(_SC_PAGESIZE);
+    *addr = NULL;
+    if (len <= 0 || offset < 0 || page <= 0 || offset % page)
+        return EINVAL;
+    void *map = mmap(NULL, (size_t)len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd,
+                     (off_t)offset);
+    if (map == MAP_FAILED)
+        return errno;
+    if (madvise(map, (size_t)len, MADV_DONTFORK)) {
+        int err = errno;
+        munmap(map, (size_t)len);
+        return err;
+    }
+    *addr = map;
+    return 0;
+}
+
+int bbio_unmap(void *addr, int64_t len)
+{
+    if (len <= 0)
+        return EINVAL;
+    return munmap(addr, (size_t)len) ? errno : 0;
+}
+
+#define COPY_CRC_CHUNK (256 << 10) /* copied, then CRC'd while still in L2 */
+
+int bbio_copy_crc(void *dst, const void *src, int64_t len, uint32_t *crc)
+{
+    unsigned char *d = dst;
+    const unsigned char *s = src;
+    *crc = 0;
+    if (len < 0)
+        return EINVAL;
+    while (len > 0) {
+        size_t n = len < COPY_CRC_CHUNK ? (size_t)len : COPY_CRC_CHUNK;
+        memcpy(d, s, n);
+        *crc = bbio_crc32c(*crc, d, n);
+        d += n;
+        s += n;
+        len -= (int64_t)n;
+    }
+    return 0;
+}
+
+int bbio_fs_magic(int fd, int64_t *magic)
+{
+    struct statfs info;
+    *magic = 0;
+    if (fstatfs(fd, &info))
+        return errno;
+    *magic = (int64_t)info.f_type;
     return 0;
 }
 

@@ -36,6 +36,20 @@ int bbio_copy_range(int src_fd, int dst_fd, int64_t src_off, int64_t dst_off,
  * OUT crc: the CRC32C of the bytes (of those written before an error). */
 int bbio_pwrite_crc(int fd, const void *buf, int64_t len, int64_t off, uint32_t *crc);
 
+/* Map len bytes of fd from offset (a multiple of the page size) shared and
+ * writable, left out of forked children (MADV_DONTFORK).  OUT addr.
+ * bbio_unmap undoes it. */
+int bbio_map_shared(int fd, int64_t offset, int64_t len, void **addr);
+int bbio_unmap(void *addr, int64_t len);
+
+/* Copy len bytes from src to dst (a mapping of a file) a chunk at a time,
+ * each chunk's CRC32C computed from dst while it is in cache.  OUT crc. */
+int bbio_copy_crc(void *dst, const void *src, int64_t len, uint32_t *crc);
+
+/* The file system type of fd (statfs' f_type, such as 0x01021994 for tmpfs).
+ * OUT magic. */
+int bbio_fs_magic(int fd, int64_t *magic);
+
 /* Copy count whole files, nthreads at a time: src[i] into dst[i] (created
  * or truncated, mode 0600), CRC32C in the same pass when BBIO_COPY_CRC.
  * IN  modes, mtimes_ns (both NULL, or both set): then each copy is sealed

@@ -41,6 +41,7 @@ LAYERS = {
         "bbio.stage.registry",
         "bbio.read.datasets",
         "bbio.read.loader",
+        "bbio.checkpoint.mapped",
         "bbio.checkpoint.writer",
         "bbio.checkpoint.drain",
         "bbio.checkpoint.globalview",

@@ -84,8 +84,11 @@ Derived, metric ``GB_per_s`` (10**9 bytes/s of state, all ranks): ``bbio-drain``
 
 Before measuring, one untimed round of every system at 1 MiB per rank warms
 up imports, MPI-IO, the drain processes and gloo; before each size, one
-untimed round of every system and one more save by ``bbio`` bring it to its
-steady state (a spare file of the size's layout on every node).  The systems'
+untimed round of every system and three more saves by ``bbio`` bring it to
+the steady state of a run: the two files each node takes turns with (the last
+checkpoint and the spare) each rewritten once in the size's layout (on tmpfs,
+each rank keeps its mapping of them).  So do three untimed saves after each
+``bbio-stream``, whose queued saves lay out new files.  The systems'
 order rotates from one repetition to the next.  Before every system the files of the
 previous one are removed (the burst buffer is memory), except what bbio's
 retention keeps (each checkpointer's last checkpoint, and ``bbio``'s spare),
@@ -675,7 +678,16 @@ class CheckpointBench:
         committed = time.perf_counter() - start
         seconds = _max(comm, committed) - _max(comm, first)
         self._settle(ck, steps)
+        self._steady_state(state)  # the queued saves laid out files that are new to it
         return {"bbio-stream": seconds}
+
+    def _steady_state(self, state: dict[str, np.ndarray]) -> None:
+        """Collective, untimed: saves by ``bbio``'s checkpointer until each of the files
+        its nodes take turns with (``KEEP_BB`` checkpoints and the spare) was rewritten
+        once in the layout of ``state`` (and is mapped, on tmpfs), as in a run."""
+        if self.ck is not None:
+            for _ in range(KEEP_BB + 2):
+                self._save(self.ck, state)
 
     def _settle(self, ck: Checkpointer, steps: list[int]) -> None:
         """Collective, untimed: wait until ``ck``'s drains are idle and have trimmed its
@@ -782,9 +794,8 @@ class CheckpointBench:
         state = make_state(self.rank, nbytes, self.args.arrays)
         total = nbytes * self.size
         self.ctx.log(f"{case} per rank ({size_label(total)} in all): {repeats} repetitions")
-        self.round(state, 0)  # untimed: the steady state (bbio: a spare of this layout)
-        if self.ck is not None:
-            self._save(self.ck, state)
+        self.round(state, 0)  # untimed: the steady state
+        self._steady_state(state)
         for repeat in range(repeats):
             seconds = self.round(state, repeat)
             self.record(case, total, seconds)

@@ -32,6 +32,7 @@ from bbio.arguments import integer_argument, path_argument, seconds_argument
 from bbio.checkpoint import drain, layout
 from bbio.checkpoint import restore as reader
 from bbio.checkpoint.globalview import describe_node_file
+from bbio.checkpoint.mapped import NodeFileMappings
 from bbio.checkpoint.writer import describe, file_attrs, global_shapes, write_node_file
 from bbio.config import Config, load_config
 from bbio.errors import (
@@ -261,6 +262,7 @@ class Checkpointer:
         self.name, self.keep_bb, self.keep_pfs, self.backpressure = name, keep_bb, keep_pfs, policy
         self.verify = config.ckpt_verify
         self.recycle = config.ckpt_recycle == "on"
+        self._mappings = NodeFileMappings(limit=keep_bb + 2)  # the files taking turns, and more
         self.comm = comm.Dup()
         self.topo = topology(self.comm, config.ranks_per_node)
         try:  # the same error on every rank (a ConfigError, or agreed): nothing to leak
@@ -530,6 +532,7 @@ class Checkpointer:
                     recycled,
                     temp,
                     reserve=0 if direct else need,
+                    mappings=None if key is None else self._mappings,
                 )
             with agreed(comm, f"checkpoint {self.name} step {step}: recording"):
                 if self.topo.is_leader:
@@ -1175,6 +1178,7 @@ class Checkpointer:
                     time.sleep(0.05)
                 drained = True
         finally:
+            self._mappings.close()  # before the drains delete the spares: their memory is freed
             if self.topo.is_leader:
                 self._stop_drain(drained)
             if drained:

@@ -19,11 +19,13 @@ name by the node leader before the save.  No dataset is created and no HDF5
 metadata but the root attributes changes, so no collective HDF5 call is
 needed: the node's rank 0 opens the file alone, finds every dataset in place
 and tells the node's ranks their offsets; each rank overwrites its arrays'
-bytes with their CRC32C as above; rank 0 gathers the CRCs, sets the root
-attributes anew and closes.  Overwriting pages the file already has saves the
-file system their allocation: on tmpfs, writing into a new file costs about
-twice as much as overwriting one.  A spare not as its layout key says (damage
-in the burst buffer) is deleted, and the file laid out anew.
+bytes with their CRC32C, on tmpfs through a mapping of its part of the file that
+it keeps for the next time the file comes back (:mod:`bbio.checkpoint.mapped`);
+rank 0 gathers the CRCs, sets the root attributes anew and closes.  Overwriting
+pages the file already has saves the file system their allocation: on tmpfs,
+writing into a new file costs about twice as much as overwriting one.  A spare
+not as its layout key says (damage in the burst buffer) is deleted, and the file
+laid out anew.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from bbio.checkpoint.layout import (
     shard_parts,
     uncovered,
 )
+from bbio.checkpoint.mapped import NodeFileMappings
 from bbio.errors import DependencyError, IntegrityError, UsageError, error_class_for_errno
 from bbio.mpi import agreed_error, describe_error
 from bbio.transfer import files
@@ -147,6 +150,7 @@ def write_node_file(
     recycled: bool = False,
     temp: Path | None = None,
     reserve: int = 0,
+    mappings: NodeFileMappings | None = None,
 ) -> tuple[int, int] | None:
     """Collective over ``node_comm``: write the node's checkpoint file at ``path``.
 
@@ -161,7 +165,9 @@ def write_node_file(
     file is given on the device before HDF5 writes any (:func:`_reserve_new_file`; a
     spare's too, :func:`_open_spare`): a device too full for them is a
     :class:`NoSpaceError` before any collective HDF5 call, which HDF5 could not
-    survive.  Returns the file's size and CRC32C on the
+    survive.  ``mappings`` (given on every rank of the node, or on none): this rank's
+    mappings of files it rewrote (:mod:`bbio.checkpoint.mapped`), through which it
+    rewrites a spare on tmpfs.  Returns the file's size and CRC32C on the
     node's rank 0, once the file is durable under its final name there (the
     CRC32C from the arrays' own, combined with those of the bytes HDF5 wrote
     around them, read back: a few pages); other ranks return None before
@@ -178,13 +184,18 @@ def write_node_file(
     try:
         offsets = _share_offsets(node_comm, datasets, None if spare is None else spare[1])
         if offsets is None:
+            if mappings is not None:  # a spare the leader deleted gives its room back first
+                mappings.release_unlinked()
+                node_comm.Barrier()
             _reserve_new_file(node_comm, temp, reserve)
             extents = _write_new_file(
                 h5py, node_comm, temp, rank, arrays, node_specs, datasets, attrs
             )
         else:  # rank 0 has every rank's CRCs only once every write is done
             extents = _gather_extents(
-                node_comm, datasets, lambda: _write_raw(temp, rank, arrays, offsets.__getitem__)
+                node_comm,
+                datasets,
+                lambda: _write_raw(temp, rank, arrays, offsets.__getitem__, mappings),
             )
             if spare is not None and extents is not None:
                 _set_root_attrs(h5py, spare[0], attrs, extents)
@@ -518,23 +529,38 @@ def _create_datasets(h5py, f, node_specs: Sequence[tuple[int, Mapping[str, dict]
 
 
 def _write_raw(
-    temp: Path, rank: int, arrays: Mapping[str, Any], offset_of: Callable[[str], int | None]
+    temp: Path,
+    rank: int,
+    arrays: Mapping[str, Any],
+    offset_of: Callable[[str], int | None],
+    mappings: NodeFileMappings | None = None,
 ) -> dict[str, tuple[int, int]]:
     """Write this rank's arrays into their datasets' allocated space (``offset_of`` a
-    dataset's name); their (CRC32C, offset) by dataset name (``NO_OFFSET`` for an
-    array without bytes)."""
-    written = {}
-    fd = os.open(temp, os.O_WRONLY)
+    dataset's name), through a mapping of ``mappings`` where it gives one; their (CRC32C,
+    offset) by dataset name (``NO_OFFSET`` for an array without bytes)."""
+    written: dict[str, tuple[int, int]] = {}
+    raws: dict[str, tuple[np.ndarray, int]] = {}
+    for key, value in arrays.items():
+        name = rank_dataset(key, rank)
+        data = np.ascontiguousarray(value.data if isinstance(value, Shard) else value)
+        if data.size:
+            raws[name] = (data.reshape(-1).view(np.uint8), offset_of(name))
+        else:
+            written[name] = (0, NO_OFFSET)
+    if not raws:
+        return written
+    fd = os.open(temp, os.O_RDWR if mappings is not None else os.O_WRONLY)
     try:
-        for key, value in arrays.items():
-            name = rank_dataset(key, rank)
-            data = np.ascontiguousarray(value.data if isinstance(value, Shard) else value)
-            if not data.size:
-                written[name] = (0, NO_OFFSET)
-                continue
-            offset = offset_of(name)
-            raw = data.reshape(-1).view(np.uint8)
-            written[name] = (_native.pwrite_crc(fd, raw, offset, temp), offset)
+        mapping = None
+        if mappings is not None:
+            start = min(offset for _, offset in raws.values())
+            end = max(offset + raw.nbytes for raw, offset in raws.values())
+            mapping = mappings.mapping(fd, temp, start, end)
+        for name, (raw, offset) in raws.items():
+            if mapping is not None:
+                written[name] = (mapping.write_crc(raw, offset), offset)
+            else:
+                written[name] = (_native.pwrite_crc(fd, raw, offset, temp), offset)
     finally:
         os.close(fd)
     return written

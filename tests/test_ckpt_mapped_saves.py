@@ -1,0 +1,89 @@
+"""Saves that rewrite recycled node files on tmpfs through kept mappings, on 2 or 4 ranks
+in 2 virtual nodes: real tmpfs burst buffers, real parallel HDF5, real drain processes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import bbio
+from tests.test_checkpoint import config_for, leader, node_of, same, state
+from tests.test_checkpoint_recycle import rewrote_spare, settle
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+def test_saves_rewrite_their_files_through_kept_mappings_and_restore_what_they_saved(
+    comm, shared_tmp
+):
+    """Each node's two files take turns (``keep_bb`` 1): from step 3 on each save rewrites
+    one of them, through mappings each rank keeps; every step restores as saved, from the
+    burst buffer and from the PFS, and every drain verified the files' CRC32C."""
+    rank = comm.Get_rank()
+    shm = Path(comm.bcast(f"/dev/shm/bbio-test-{uuid.uuid4().hex}" if rank == 0 else None))
+    home = shm / str(node_of(comm)) / "ckpt" / "mapped"
+    try:
+        config = config_for(comm, shared_tmp, bb_root=str(shm / "{node}"))
+        with bbio.Checkpointer(comm, "mapped", keep_bb=1, config=config) as ckpt:
+            for step in range(1, 7):
+                ckpt.save(step, state(step, rank, rows=2000)).wait(timeout=60)
+                assert step < 3 or rewrote_spare(comm, home, step)
+                settle(comm, home)
+                assert len(ckpt._mappings) == min(max(step - 2, 0), 2)
+            restored_step, arrays, _ = ckpt.restore()
+            assert restored_step == 6 and ckpt.last_restore_tier == "bb"
+            assert same(arrays, state(6, rank, rows=2000))
+            for step in range(3, 6):
+                assert same(ckpt.restore(step=step)[1], state(step, rank, rows=2000))
+                assert ckpt.last_restore_tier == "pfs"
+    finally:
+        comm.Barrier()
+        if rank == 0:
+            shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_mapped_spare_dropped_for_another_layout_gives_its_room_to_the_new_file(comm, shared_tmp):
+    """Both nodes' burst buffers share a tmpfs that holds a checkpoint and a spare per node
+    and 2.5 MiB more.  The spares were rewritten through mappings; a save of other arrays
+    drops them, and the new files fit only once the ranks release their mappings (a
+    mapping keeps a deleted file's pages)."""
+    rank = comm.Get_rank()
+    per_node = comm.Get_size() // 2 * (2 << 20)  # a 2 MiB array per rank
+    small = shared_tmp / "mappedroom"
+    if rank == 0:
+        small.mkdir()
+        size = f"size={4 * per_node + (5 << 19)}"
+        subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(small)], check=True)
+    comm.Barrier()
+    try:
+        config = config_for(comm, shared_tmp, bb_root=str(small / "{node}"))
+        home = small / str(node_of(comm)) / "ckpt" / "room"
+
+        def arrays(step: int, name: str = "x") -> dict:
+            return {name: np.full(2 << 20, step * 10 + rank, dtype=np.uint8)}
+
+        with bbio.Checkpointer(comm, "room", keep_bb=1, config=config) as ckpt:
+            for step in range(1, 5):
+                handle = ckpt.save(step, arrays(step))
+                assert not handle.direct and (step < 3 or rewrote_spare(comm, home, step))
+                handle.wait(timeout=60)
+                settle(comm, home)
+            assert len(ckpt._mappings) == 2  # both files, the spare (step 3's) among them
+            if leader(comm):  # the probe's link would keep the spare's pages
+                (home.parent / "probe").unlink()
+            comm.Barrier()
+            handle = ckpt.save(5, arrays(5, "y"))
+            assert not handle.direct
+            step, restored, _ = ckpt.restore()
+            assert step == 5 and np.array_equal(restored["y"], arrays(5, "y")["y"])
+    finally:
+        comm.Barrier()
+        if rank == 0:
+            subprocess.run(["umount", "--lazy", str(small)], check=True)
