@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import uuid
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import bbio
 from tests.test_checkpoint import config_for, leader, node_of, same, state
 from tests.test_checkpoint_recycle import rewrote_spare, settle
+from tests.test_ckpt_capacity import small_burst_buffers
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -87,3 +89,86 @@ def test_a_mapped_spare_dropped_for_another_layout_gives_its_room_to_the_new_fil
         comm.Barrier()
         if rank == 0:
             subprocess.run(["umount", "--lazy", str(small)], check=True)
+
+
+def deleted_files_mapped(under: Path) -> list[str]:
+    """The files under ``under`` that this process maps though they were deleted."""
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    return [line.split()[-2] for line in maps if str(under) in line and "(deleted)" in line]
+
+
+def test_a_spare_the_drain_deletes_is_released_by_the_next_save(comm, shared_tmp):
+    """Saves queued behind a stopped drain: once it runs again it keeps a newer file as the
+    spare and deletes the older one, which the ranks had mapped; the next save releases
+    it (before, its memory stayed taken until ``close``)."""
+    rank = comm.Get_rank()
+    shm = Path(comm.bcast(f"/dev/shm/bbio-test-{uuid.uuid4().hex}" if rank == 0 else None))
+    home = shm / str(node_of(comm)) / "ckpt" / "queued"
+    try:
+        config = config_for(comm, shared_tmp, bb_root=str(shm / "{node}"))
+        with bbio.Checkpointer(comm, "queued", keep_bb=1, config=config) as ckpt:
+            for step in range(1, 5):
+                ckpt.save(step, state(step, rank, rows=2000)).wait(timeout=60)
+                settle(comm, home)
+            drain_pid = ckpt._drain.pid if leader(comm) else None
+            if drain_pid is not None:
+                os.kill(drain_pid, signal.SIGSTOP)
+            try:
+                comm.Barrier()
+                ckpt.save(5, state(5, rank, rows=2000))  # rewrites the spare
+                queued = ckpt.save(6, state(6, rank, rows=2000))  # no spare: a new file
+                comm.Barrier()
+            finally:
+                if drain_pid is not None:
+                    os.kill(drain_pid, signal.SIGCONT)
+            queued.wait(timeout=60)
+            settle(comm, home)  # step 4's file was kept as the spare, then deleted for 5's
+            assert deleted_files_mapped(shm)
+            ckpt.save(7, state(7, rank, rows=2000)).wait(timeout=60)
+            settle(comm, home)
+            assert deleted_files_mapped(shm) == []
+            assert same(ckpt.restore()[1], state(7, rank, rows=2000))
+    finally:
+        comm.Barrier()
+        if rank == 0:
+            shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_save_short_of_room_gets_the_room_of_mapped_files_it_trims(comm, shared_tmp):
+    """Each node's burst buffer holds its two files (the last checkpoint and the spare, both
+    mapped) and is then filled up to 512 KiB: the save trims the drained checkpoint and
+    its file fits once no rank maps the deleted files.  Before, their pages stayed taken:
+    that save and every later one went straight to the PFS."""
+    rank = comm.Get_rank()
+    per_node = comm.Get_size() // 2 * (2 << 20)  # a 2 MiB array per rank
+    with small_burst_buffers(comm, shared_tmp, str(3 * per_node + (2 << 20))) as bb_root:
+        config = config_for(comm, shared_tmp, bb_root=bb_root)
+        mount = Path(bb_root.replace("{node}", str(node_of(comm))))
+        home = mount / "ckpt" / "trim"
+
+        def arrays(step: int) -> dict:
+            return {"x": np.full(2 << 20, step * 10 + rank, dtype=np.uint8)}
+
+        with bbio.Checkpointer(comm, "trim", keep_bb=1, config=config) as ckpt:
+            for step in range(1, 5):
+                ckpt.save(step, arrays(step)).wait(timeout=60)
+                settle(comm, home)
+            assert len(ckpt._mappings) == 2
+            if leader(comm):
+                (home.parent / "probe").unlink()  # the probe's link would keep the spare
+                with open(mount / "filler", "wb") as filler:
+                    info = os.statvfs(mount)
+                    filler.write(bytes(info.f_bavail * info.f_frsize - (512 << 10)))
+            comm.Barrier()
+            handle = ckpt.save(5, arrays(5))
+            assert not handle.direct
+            handle.wait(timeout=60)
+            if leader(comm):
+                (mount / "filler").unlink()
+            comm.Barrier()
+            handle = ckpt.save(6, arrays(6))
+            assert not handle.direct
+            step, restored, _ = ckpt.restore()
+            assert step == 6 and ckpt.last_restore_tier == "bb"
+            assert np.array_equal(restored["x"], arrays(6)["x"])

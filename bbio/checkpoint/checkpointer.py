@@ -362,6 +362,7 @@ class Checkpointer:
         which drops that copy before the new one is written.
         """
         self._check_open()
+        self._mappings.release_unlinked()  # files deleted since (by the drain): their room
         comm = self.comm
         integral = isinstance(step, numbers.Integral) and not isinstance(step, bool)
         step = int(step) if integral else step
@@ -796,7 +797,8 @@ class Checkpointer:
     def _room_in_every_bb(self, need: list[int], free: dict[int, int]) -> bool:
         """Collective: can every node's burst buffer hold its file (``need[node]`` bytes)?
 
-        ``free`` is each node's free space, as its leader saw it.  The drain trims
+        ``free`` is each node's free space, as its leader saw it (where short, seen
+        again once no rank maps a deleted file, :mod:`bbio.checkpoint.mapped`).  The drain trims
         drained BB copies beyond ``keep_bb`` in the background; a node short of
         room trims them here first, and then, while still short, one more, oldest
         first (:func:`drain.trim_bb`: drained, and not newer than the newest
@@ -806,10 +808,16 @@ class Checkpointer:
         """
         short = [(node, free[node]) for node in range(self.nodes) if need[node] > free[node]]
         if short:
+            # a deleted file's pages are freed once no rank maps it: none does from here on
+            self._mappings.close()
+            self.topo.node_comm.Barrier()
 
             def trim() -> tuple[int, int] | None:
                 if not self.topo.is_leader or need[self.node] <= free[self.node]:
                     return None
+                left = files.free_bytes(self.bb_dir) + drain.spare_bytes(self.bb_dir, self.node)
+                if need[self.node] <= left:  # the room of files other ranks still mapped
+                    return self.node, left
                 drain.drop_spares(self.bb_dir, self.node)
                 for keep in range(self.keep_bb - 1, -1, -1):  # then one more, oldest first
                     drain.trim_bb(

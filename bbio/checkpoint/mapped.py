@@ -14,9 +14,10 @@ file system a mapped page must be read before it is written once its file was
 flushed, and each written page faults; ``pwrite`` is faster there.
 
 A mapping keeps its file's pages alive.  A rank therefore also keeps a
-descriptor of each mapped file, releases the mapping once the file is deleted
-(:meth:`NodeFileMappings.release_unlinked`, before a save needs that room), and
-keeps at most ``limit`` of them.  Mappings and descriptors are left out of
+descriptor of each mapped file and releases the mappings of deleted files
+(:meth:`NodeFileMappings.release_unlinked`) when a save starts and before a
+save lays out a new file; a save short of room releases them all before it
+trims copies; at most ``limit`` are kept.  Mappings and descriptors are left out of
 forked children (a data loader's workers), which could otherwise hold a deleted
 file's memory for as long as they live.
 """
