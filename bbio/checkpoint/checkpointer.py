@@ -798,8 +798,8 @@ class Checkpointer:
         """Collective: can every node's burst buffer hold its file (``need[node]`` bytes)?
 
         ``free`` is each node's free space, as its leader saw it (where short, seen
-        again once no rank maps a deleted file, :mod:`bbio.checkpoint.mapped`).  The drain trims
-        drained BB copies beyond ``keep_bb`` in the background; a node short of
+        again once no rank maps a deleted file: :mod:`bbio.checkpoint.mapped`).  The
+        drain trims drained BB copies beyond ``keep_bb`` in the background; a node short of
         room trims them here first, and then, while still short, one more, oldest
         first (:func:`drain.trim_bb`: drained, and not newer than the newest
         committed step), so a burst buffer that holds fewer than ``keep_bb``

@@ -17,9 +17,9 @@ A mapping keeps its file's pages alive.  A rank therefore also keeps a
 descriptor of each mapped file and releases the mappings of deleted files
 (:meth:`NodeFileMappings.release_unlinked`) when a save starts and before a
 save lays out a new file; a save short of room releases them all before it
-trims copies; at most ``limit`` are kept.  Mappings and descriptors are left out of
-forked children (a data loader's workers), which could otherwise hold a deleted
-file's memory for as long as they live.
+trims copies; at most ``limit`` are kept.  Mappings and descriptors are left
+out of forked children (a data loader's workers), which could otherwise hold a
+deleted file's memory for as long as they live.
 """
 
 from __future__ import annotations
