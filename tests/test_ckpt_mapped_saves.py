@@ -3,11 +3,12 @@ in 2 virtual nodes: real tmpfs burst buffers, real parallel HDF5, real drain pro
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
-import subprocess
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,20 @@ from tests.test_ckpt_capacity import small_burst_buffers
 pytestmark = pytest.mark.mpi(min_size=2)
 
 
+@contextlib.contextmanager
+def burst_buffers_in_shm(comm) -> Iterator[Path]:
+    """Collective: a fresh directory on the tmpfs ``/dev/shm``, shared by every rank, for
+    the virtual nodes' burst buffers; removed at the end."""
+    name = f"/dev/shm/bbio-test-{uuid.uuid4().hex}" if comm.Get_rank() == 0 else None
+    shm = Path(comm.bcast(name))
+    try:
+        yield shm
+    finally:
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            shutil.rmtree(shm, ignore_errors=True)
+
+
 def test_saves_rewrite_their_files_through_kept_mappings_and_restore_what_they_saved(
     comm, shared_tmp
 ):
@@ -28,9 +43,8 @@ def test_saves_rewrite_their_files_through_kept_mappings_and_restore_what_they_s
     one of them, through mappings each rank keeps; every step restores as saved, from the
     burst buffer and from the PFS, and every drain verified the files' CRC32C."""
     rank = comm.Get_rank()
-    shm = Path(comm.bcast(f"/dev/shm/bbio-test-{uuid.uuid4().hex}" if rank == 0 else None))
-    home = shm / str(node_of(comm)) / "ckpt" / "mapped"
-    try:
+    with burst_buffers_in_shm(comm) as shm:
+        home = shm / str(node_of(comm)) / "ckpt" / "mapped"
         config = config_for(comm, shared_tmp, bb_root=str(shm / "{node}"))
         with bbio.Checkpointer(comm, "mapped", keep_bb=1, config=config) as ckpt:
             for step in range(1, 7):
@@ -44,29 +58,19 @@ def test_saves_rewrite_their_files_through_kept_mappings_and_restore_what_they_s
             for step in range(3, 6):
                 assert same(ckpt.restore(step=step)[1], state(step, rank, rows=2000))
                 assert ckpt.last_restore_tier == "pfs"
-    finally:
-        comm.Barrier()
-        if rank == 0:
-            shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
 def test_a_mapped_spare_dropped_for_another_layout_gives_its_room_to_the_new_file(comm, shared_tmp):
-    """Both nodes' burst buffers share a tmpfs that holds a checkpoint and a spare per node
-    and 2.5 MiB more.  The spares were rewritten through mappings; a save of other arrays
-    drops them, and the new files fit only once the ranks release their mappings (a
-    mapping keeps a deleted file's pages)."""
+    """Each node's burst buffer holds its checkpoint and its spare and 1.25 MiB more.  The
+    spares were rewritten through mappings; a save of other arrays drops them, and the
+    new files fit only once the ranks release their mappings (a mapping keeps a deleted
+    file's pages)."""
     rank = comm.Get_rank()
     per_node = comm.Get_size() // 2 * (2 << 20)  # a 2 MiB array per rank
-    small = shared_tmp / "mappedroom"
-    if rank == 0:
-        small.mkdir()
-        size = f"size={4 * per_node + (5 << 19)}"
-        subprocess.run(["mount", "-t", "tmpfs", "-o", size, "tmpfs", str(small)], check=True)
-    comm.Barrier()
-    try:
-        config = config_for(comm, shared_tmp, bb_root=str(small / "{node}"))
-        home = small / str(node_of(comm)) / "ckpt" / "room"
+    with small_burst_buffers(comm, shared_tmp, str(2 * per_node + (5 << 18))) as bb_root:
+        config = config_for(comm, shared_tmp, bb_root=bb_root)
+        home = Path(bb_root.replace("{node}", str(node_of(comm)))) / "ckpt" / "room"
 
         def arrays(step: int, name: str = "x") -> dict:
             return {name: np.full(2 << 20, step * 10 + rank, dtype=np.uint8)}
@@ -85,10 +89,6 @@ def test_a_mapped_spare_dropped_for_another_layout_gives_its_room_to_the_new_fil
             assert not handle.direct
             step, restored, _ = ckpt.restore()
             assert step == 5 and np.array_equal(restored["y"], arrays(5, "y")["y"])
-    finally:
-        comm.Barrier()
-        if rank == 0:
-            subprocess.run(["umount", "--lazy", str(small)], check=True)
 
 
 def deleted_files_mapped(under: Path) -> list[str]:
@@ -102,9 +102,8 @@ def test_a_spare_the_drain_deletes_is_released_by_the_next_save(comm, shared_tmp
     spare and deletes the older one, which the ranks had mapped; the next save releases
     it (before, its memory stayed taken until ``close``)."""
     rank = comm.Get_rank()
-    shm = Path(comm.bcast(f"/dev/shm/bbio-test-{uuid.uuid4().hex}" if rank == 0 else None))
-    home = shm / str(node_of(comm)) / "ckpt" / "queued"
-    try:
+    with burst_buffers_in_shm(comm) as shm:
+        home = shm / str(node_of(comm)) / "ckpt" / "queued"
         config = config_for(comm, shared_tmp, bb_root=str(shm / "{node}"))
         with bbio.Checkpointer(comm, "queued", keep_bb=1, config=config) as ckpt:
             for step in range(1, 5):
@@ -128,10 +127,6 @@ def test_a_spare_the_drain_deletes_is_released_by_the_next_save(comm, shared_tmp
             settle(comm, home)
             assert deleted_files_mapped(shm) == []
             assert same(ckpt.restore()[1], state(7, rank, rows=2000))
-    finally:
-        comm.Barrier()
-        if rank == 0:
-            shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
