@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import bbio
+from bbio.config import Config
 from tests.test_checkpoint import config_for, leader, node_of, same, state
 from tests.test_checkpoint_recycle import rewrote_spare, settle
 from tests.test_ckpt_capacity import small_burst_buffers
@@ -23,13 +24,14 @@ pytestmark = pytest.mark.mpi(min_size=2)
 
 
 @contextlib.contextmanager
-def burst_buffers_in_shm(comm) -> Iterator[Path]:
-    """Collective: a fresh directory on the tmpfs ``/dev/shm``, shared by every rank, for
-    the virtual nodes' burst buffers; removed at the end."""
-    name = f"/dev/shm/bbio-test-{uuid.uuid4().hex}" if comm.Get_rank() == 0 else None
-    shm = Path(comm.bcast(name))
+def burst_buffers_in_shm(comm, tmp: Path, name: str) -> Iterator[tuple[Config, Path]]:
+    """Collective: the configuration of burst buffers in a fresh directory on the tmpfs
+    ``/dev/shm`` (removed at the end), and this node's directory of checkpointer ``name``."""
+    where = f"/dev/shm/bbio-test-{uuid.uuid4().hex}" if comm.Get_rank() == 0 else None
+    shm = Path(comm.bcast(where))
     try:
-        yield shm
+        config = config_for(comm, tmp, bb_root=str(shm / "{node}"))
+        yield config, shm / str(node_of(comm)) / "ckpt" / name
     finally:
         comm.Barrier()
         if comm.Get_rank() == 0:
@@ -43,21 +45,21 @@ def test_saves_rewrite_their_files_through_kept_mappings_and_restore_what_they_s
     one of them, through mappings each rank keeps; every step restores as saved, from the
     burst buffer and from the PFS, and every drain verified the files' CRC32C."""
     rank = comm.Get_rank()
-    with burst_buffers_in_shm(comm) as shm:
-        home = shm / str(node_of(comm)) / "ckpt" / "mapped"
-        config = config_for(comm, shared_tmp, bb_root=str(shm / "{node}"))
-        with bbio.Checkpointer(comm, "mapped", keep_bb=1, config=config) as ckpt:
-            for step in range(1, 7):
-                ckpt.save(step, state(step, rank, rows=2000)).wait(timeout=60)
-                assert step < 3 or rewrote_spare(comm, home, step)
-                settle(comm, home)
-                assert len(ckpt._mappings) == min(max(step - 2, 0), 2)
-            restored_step, arrays, _ = ckpt.restore()
-            assert restored_step == 6 and ckpt.last_restore_tier == "bb"
-            assert same(arrays, state(6, rank, rows=2000))
-            for step in range(3, 6):
-                assert same(ckpt.restore(step=step)[1], state(step, rank, rows=2000))
-                assert ckpt.last_restore_tier == "pfs"
+    with (
+        burst_buffers_in_shm(comm, shared_tmp, "mapped") as (config, home),
+        bbio.Checkpointer(comm, "mapped", keep_bb=1, config=config) as ckpt,
+    ):
+        for step in range(1, 7):
+            ckpt.save(step, state(step, rank, rows=2000)).wait(timeout=60)
+            assert step < 3 or rewrote_spare(comm, home, step)
+            settle(comm, home)
+            assert len(ckpt._mappings) == min(max(step - 2, 0), 2)
+        restored_step, arrays, _ = ckpt.restore()
+        assert restored_step == 6 and ckpt.last_restore_tier == "bb"
+        assert same(arrays, state(6, rank, rows=2000))
+        for step in range(3, 6):
+            assert same(ckpt.restore(step=step)[1], state(step, rank, rows=2000))
+            assert ckpt.last_restore_tier == "pfs"
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
@@ -102,31 +104,31 @@ def test_a_spare_the_drain_deletes_is_released_by_the_next_save(comm, shared_tmp
     spare and deletes the older one, which the ranks had mapped; the next save releases
     it (before, its memory stayed taken until ``close``)."""
     rank = comm.Get_rank()
-    with burst_buffers_in_shm(comm) as shm:
-        home = shm / str(node_of(comm)) / "ckpt" / "queued"
-        config = config_for(comm, shared_tmp, bb_root=str(shm / "{node}"))
-        with bbio.Checkpointer(comm, "queued", keep_bb=1, config=config) as ckpt:
-            for step in range(1, 5):
-                ckpt.save(step, state(step, rank, rows=2000)).wait(timeout=60)
-                settle(comm, home)
-            drain_pid = ckpt._drain.pid if leader(comm) else None
-            if drain_pid is not None:
-                os.kill(drain_pid, signal.SIGSTOP)
-            try:
-                comm.Barrier()
-                ckpt.save(5, state(5, rank, rows=2000))  # rewrites the spare
-                queued = ckpt.save(6, state(6, rank, rows=2000))  # no spare: a new file
-                comm.Barrier()
-            finally:
-                if drain_pid is not None:
-                    os.kill(drain_pid, signal.SIGCONT)
-            queued.wait(timeout=60)
-            settle(comm, home)  # step 4's file was kept as the spare, then deleted for 5's
-            assert deleted_files_mapped(shm)
-            ckpt.save(7, state(7, rank, rows=2000)).wait(timeout=60)
+    with (
+        burst_buffers_in_shm(comm, shared_tmp, "queued") as (config, home),
+        bbio.Checkpointer(comm, "queued", keep_bb=1, config=config) as ckpt,
+    ):
+        for step in range(1, 5):
+            ckpt.save(step, state(step, rank, rows=2000)).wait(timeout=60)
             settle(comm, home)
-            assert deleted_files_mapped(shm) == []
-            assert same(ckpt.restore()[1], state(7, rank, rows=2000))
+        drain_pid = ckpt._drain.pid if leader(comm) else None
+        if drain_pid is not None:
+            os.kill(drain_pid, signal.SIGSTOP)
+        try:
+            comm.Barrier()
+            ckpt.save(5, state(5, rank, rows=2000))  # rewrites the spare
+            queued = ckpt.save(6, state(6, rank, rows=2000))  # no spare: a new file
+            comm.Barrier()
+        finally:
+            if drain_pid is not None:
+                os.kill(drain_pid, signal.SIGCONT)
+        queued.wait(timeout=60)
+        settle(comm, home)  # step 4's file was kept as the spare, then deleted for 5's
+        assert deleted_files_mapped(home)
+        ckpt.save(7, state(7, rank, rows=2000)).wait(timeout=60)
+        settle(comm, home)
+        assert deleted_files_mapped(home) == []
+        assert same(ckpt.restore()[1], state(7, rank, rows=2000))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
