@@ -169,3 +169,71 @@ def test_a_save_short_of_room_gets_the_room_of_mapped_files_it_trims(comm, share
             step, restored, _ = ckpt.restore()
             assert step == 6 and ckpt.last_restore_tier == "bb"
             assert np.array_equal(restored["x"], arrays(6)["x"])
+
+
+def test_a_step_saved_again_leaves_no_deleted_file_mapped(comm, shared_tmp):
+    """``replace`` drops the step's old node file, which the ranks had rewritten through
+    their mappings: the save releases them before it returns (before, its memory stayed
+    taken until the next save)."""
+    rank = comm.Get_rank()
+    with (
+        burst_buffers_in_shm(comm, shared_tmp, "again") as (config, home),
+        bbio.Checkpointer(comm, "again", keep_bb=1, config=config) as ckpt,
+    ):
+        for step in range(1, 5):
+            ckpt.save(step, state(step, rank, rows=2000)).wait(timeout=60)
+            settle(comm, home)
+        ckpt.save(4, state(5, rank, rows=2000), replace=True).wait(timeout=60)
+        assert deleted_files_mapped(home) == []
+        assert same(ckpt.restore()[1], state(5, rank, rows=2000))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_save_gets_the_room_of_files_another_checkpointer_mapped(comm, shared_tmp):
+    """Two checkpointers in one process share each node's burst buffer.  Saves of ``b``
+    queued behind its stopped drain leave its ranks mapping a spare the drain then
+    deleted; with the burst buffer full but for 1.5 MiB, ``a``'s first save fits only
+    with that spare's memory back (before, ``a`` released only its own mappings and
+    went to the PFS)."""
+    rank = comm.Get_rank()
+    per_node = comm.Get_size() // 2 * (2 << 20)  # a 2 MiB array per rank
+    with small_burst_buffers(comm, shared_tmp, str(8 * per_node)) as bb_root:
+        config = config_for(comm, shared_tmp, bb_root=bb_root)
+        mount = Path(bb_root.replace("{node}", str(node_of(comm))))
+
+        def arrays(step: int, name: str) -> dict:
+            return {name: np.full(2 << 20, step * 10 + rank, dtype=np.uint8)}
+
+        with (
+            bbio.Checkpointer(comm, "b", keep_bb=1, config=config) as b,
+            bbio.Checkpointer(comm, "a", keep_bb=1, config=config) as a,
+        ):
+            for step in range(1, 5):
+                b.save(step, arrays(step, "x")).wait(timeout=60)
+                settle(comm, mount / "ckpt" / "b")
+            drain_pid = b._drain.pid if leader(comm) else None
+            if drain_pid is not None:
+                os.kill(drain_pid, signal.SIGSTOP)
+            try:
+                comm.Barrier()
+                b.save(5, arrays(5, "x"))
+                queued = b.save(6, arrays(6, "x"))
+                comm.Barrier()
+            finally:
+                if drain_pid is not None:
+                    os.kill(drain_pid, signal.SIGCONT)
+            queued.wait(timeout=60)
+            settle(comm, mount / "ckpt" / "b")
+            assert deleted_files_mapped(mount / "ckpt" / "b")
+            if leader(comm):
+                (mount / "ckpt" / "probe").unlink(missing_ok=True)
+                with open(mount / "filler", "wb") as filler:
+                    info = os.statvfs(mount)
+                    filler.write(bytes(info.f_bavail * info.f_frsize - (3 << 19)))
+            comm.Barrier()
+            handle = a.save(1, arrays(1, "y"))
+            assert not handle.direct
+            handle.wait(timeout=60)
+            if leader(comm):
+                (mount / "filler").unlink()
+            comm.Barrier()

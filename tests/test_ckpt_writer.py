@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import h5py
 import numpy as np
@@ -13,6 +14,7 @@ from bbio.checkpoint.writer import (
     _create_datasets,
     _set_root_attrs,
     _spare_offsets,
+    _write_raw,
     describe,
     file_attrs,
 )
@@ -88,3 +90,25 @@ def test_a_spare_gives_its_datasets_offsets_only_if_it_holds_exactly_the_saved_a
         f.create_dataset("extra", data=np.ones(2))
     with h5py.File(path, "r") as f, pytest.raises(IntegrityError, match="extra"):
         _spare_offsets(h5py, f, node_specs())
+
+
+def test_arrays_not_contiguous_are_copied_one_at_a_time_as_they_are_written(tmp_path):
+    """Eight column slices of 4 MiB each: each needs a contiguous copy to be written,
+    and the copies are made one by one (before, all eight were held at once)."""
+    each, count = 4 << 20, 8
+    arrays = {f"a{i}": np.full((512, 2 * each // 512), i, np.uint8)[:, ::2] for i in range(count)}
+    assert not arrays["a0"].flags.c_contiguous and arrays["a0"].nbytes == each
+    offsets = {layout.rank_dataset(key, 0): i * each for i, key in enumerate(arrays)}
+    path = tmp_path / "node.h5"
+    path.write_bytes(bytes(count * each))
+    tracemalloc.start()
+    try:
+        written = _write_raw(path, 0, arrays, offsets.__getitem__)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * each  # two at most: the next copy is made before the last is freed
+    data = path.read_bytes()
+    for i, key in enumerate(arrays):
+        assert written[layout.rank_dataset(key, 0)][1] == i * each
+        assert data[i * each : (i + 1) * each] == bytes([i]) * each

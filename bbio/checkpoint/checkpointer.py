@@ -32,7 +32,7 @@ from bbio.arguments import integer_argument, path_argument, seconds_argument
 from bbio.checkpoint import drain, layout
 from bbio.checkpoint import restore as reader
 from bbio.checkpoint.globalview import describe_node_file
-from bbio.checkpoint.mapped import NodeFileMappings
+from bbio.checkpoint.mapped import NodeFileMappings, release_deleted
 from bbio.checkpoint.writer import describe, file_attrs, global_shapes, write_node_file
 from bbio.config import Config, load_config
 from bbio.errors import (
@@ -362,7 +362,7 @@ class Checkpointer:
         which drops that copy before the new one is written.
         """
         self._check_open()
-        self._mappings.release_unlinked()  # files deleted since (by the drain): their room
+        release_deleted()  # files deleted since (by a drain): their room
         comm = self.comm
         integral = isinstance(step, numbers.Integral) and not isinstance(step, bool)
         step = int(step) if integral else step
@@ -657,6 +657,7 @@ class Checkpointer:
         with agreed(self.comm, f"{call}: uncommitting it on the PFS"):
             if self.rank == 0:
                 drain.uncommit(self.pfs_dir / layout.step_dirname(step), self.nodes)
+        release_deleted()  # the node file (a rank may map it) is gone: so is its memory
 
     def _claim_spare(self, key: str | None, target: Path) -> bool:
         """A node leader: move the node's spare of layout ``key`` to ``target`` (True), or
@@ -810,6 +811,7 @@ class Checkpointer:
         if short:
             # a deleted file's pages are freed once no rank maps it: none does from here on
             self._mappings.close()
+            release_deleted()
             self.topo.node_comm.Barrier()
 
             def trim() -> tuple[int, int] | None:

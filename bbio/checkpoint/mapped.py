@@ -15,11 +15,12 @@ flushed, and each written page faults; ``pwrite`` is faster there.
 
 A mapping keeps its file's pages alive.  A rank therefore also keeps a
 descriptor of each mapped file and releases the mappings of deleted files
-(:meth:`NodeFileMappings.release_unlinked`) when a save starts and before a
-save lays out a new file; a save short of room releases them all before it
-trims copies; at most ``limit`` are kept.  Mappings and descriptors are left
-out of forked children (a data loader's workers), which could otherwise hold a
-deleted file's memory for as long as they live.
+(:func:`release_deleted`, every checkpointer's of the process) when a save
+starts, before a save lays out a new file, and once a save dropped a copy
+(a step saved again, a failed save withdrawn); a save short of room releases
+all of its own before it trims copies; at most ``limit`` are kept.  Mappings
+and descriptors are left out of forked children (a data loader's workers),
+which could otherwise hold a deleted file's memory for as long as they live.
 """
 
 from __future__ import annotations
@@ -119,6 +120,13 @@ class NodeFileMappings:
 
 
 _LIVE: weakref.WeakSet[NodeFileMappings] = weakref.WeakSet()
+
+
+def release_deleted() -> None:
+    """Not collective: every checkpointer of this process releases its mappings of files
+    deleted since (:meth:`NodeFileMappings.release_unlinked`)."""
+    for mappings in list(_LIVE):
+        mappings.release_unlinked()
 
 
 def _forget_all_in_child() -> None:

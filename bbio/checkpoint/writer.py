@@ -60,7 +60,7 @@ from bbio.checkpoint.layout import (
     shard_parts,
     uncovered,
 )
-from bbio.checkpoint.mapped import NodeFileMappings
+from bbio.checkpoint.mapped import NodeFileMappings, release_deleted
 from bbio.errors import DependencyError, IntegrityError, UsageError, error_class_for_errno
 from bbio.mpi import agreed_error, describe_error
 from bbio.transfer import files
@@ -185,7 +185,7 @@ def write_node_file(
         offsets = _share_offsets(node_comm, datasets, None if spare is None else spare[1])
         if offsets is None:
             if mappings is not None:  # a spare the leader deleted gives its room back first
-                mappings.release_unlinked()
+                release_deleted()
                 node_comm.Barrier()
             _reserve_new_file(node_comm, temp, reserve)
             extents = _write_new_file(
@@ -539,24 +539,25 @@ def _write_raw(
     dataset's name), through a mapping of ``mappings`` where it gives one; their (CRC32C,
     offset) by dataset name (``NO_OFFSET`` for an array without bytes)."""
     written: dict[str, tuple[int, int]] = {}
-    raws: dict[str, tuple[np.ndarray, int]] = {}
+    placed: list[tuple[str, np.ndarray, int]] = []
     for key, value in arrays.items():
         name = rank_dataset(key, rank)
-        data = np.ascontiguousarray(value.data if isinstance(value, Shard) else value)
+        data = np.asarray(value.data if isinstance(value, Shard) else value)
         if data.size:
-            raws[name] = (data.reshape(-1).view(np.uint8), offset_of(name))
+            placed.append((name, data, offset_of(name)))
         else:
             written[name] = (0, NO_OFFSET)
-    if not raws:
+    if not placed:
         return written
     fd = os.open(temp, os.O_RDWR if mappings is not None else os.O_WRONLY)
     try:
         mapping = None
         if mappings is not None:
-            start = min(offset for _, offset in raws.values())
-            end = max(offset + raw.nbytes for raw, offset in raws.values())
+            start = min(offset for _, _, offset in placed)
+            end = max(offset + data.nbytes for _, data, offset in placed)
             mapping = mappings.mapping(fd, temp, start, end)
-        for name, (raw, offset) in raws.items():
+        for name, data, offset in placed:  # a contiguous copy of one array at a time, if any
+            raw = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
             if mapping is not None:
                 written[name] = (mapping.write_crc(raw, offset), offset)
             else:
