@@ -8,7 +8,7 @@ import os
 import shutil
 import signal
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +36,34 @@ def burst_buffers_in_shm(comm, tmp: Path, name: str) -> Iterator[tuple[Config, P
         comm.Barrier()
         if comm.Get_rank() == 0:
             shutil.rmtree(shm, ignore_errors=True)
+
+
+def save_until_files_take_turns(comm, ckpt, home: Path, arrays_of: Callable[[int], dict]):
+    """Collective: steps 1 to 4 (``keep_bb`` 1), each drained and trimmed before the next:
+    steps 3 and 4 rewrite the node's two files through the ranks' mappings."""
+    for step in range(1, 5):
+        ckpt.save(step, arrays_of(step)).wait(timeout=60)
+        settle(comm, home)
+
+
+def queue_behind_stopped_drains(comm, ckpt, home: Path, arrays_of: Callable[[int], dict]):
+    """Collective: after :func:`save_until_files_take_turns`, steps 5 (a rewrite of the
+    spare) and 6 (no spare left: a new file) saved while the drains are stopped, then
+    drained: each drain keeps step 5's file as the spare, deleting the one it kept
+    before, which the ranks map."""
+    drain_pid = ckpt._drain.pid if leader(comm) else None
+    if drain_pid is not None:
+        os.kill(drain_pid, signal.SIGSTOP)
+    try:
+        comm.Barrier()
+        ckpt.save(5, arrays_of(5))
+        queued = ckpt.save(6, arrays_of(6))
+        comm.Barrier()
+    finally:
+        if drain_pid is not None:
+            os.kill(drain_pid, signal.SIGCONT)
+    queued.wait(timeout=60)
+    settle(comm, home)
 
 
 def test_saves_rewrite_their_files_through_kept_mappings_and_restore_what_they_saved(
@@ -108,22 +136,8 @@ def test_a_spare_the_drain_deletes_is_released_by_the_next_save(comm, shared_tmp
         burst_buffers_in_shm(comm, shared_tmp, "queued") as (config, home),
         bbio.Checkpointer(comm, "queued", keep_bb=1, config=config) as ckpt,
     ):
-        for step in range(1, 5):
-            ckpt.save(step, state(step, rank, rows=2000)).wait(timeout=60)
-            settle(comm, home)
-        drain_pid = ckpt._drain.pid if leader(comm) else None
-        if drain_pid is not None:
-            os.kill(drain_pid, signal.SIGSTOP)
-        try:
-            comm.Barrier()
-            ckpt.save(5, state(5, rank, rows=2000))  # rewrites the spare
-            queued = ckpt.save(6, state(6, rank, rows=2000))  # no spare: a new file
-            comm.Barrier()
-        finally:
-            if drain_pid is not None:
-                os.kill(drain_pid, signal.SIGCONT)
-        queued.wait(timeout=60)
-        settle(comm, home)  # step 4's file was kept as the spare, then deleted for 5's
+        save_until_files_take_turns(comm, ckpt, home, lambda step: state(step, rank, 2000))
+        queue_behind_stopped_drains(comm, ckpt, home, lambda step: state(step, rank, 2000))
         assert deleted_files_mapped(home)
         ckpt.save(7, state(7, rank, rows=2000)).wait(timeout=60)
         settle(comm, home)
@@ -180,9 +194,7 @@ def test_a_step_saved_again_leaves_no_deleted_file_mapped(comm, shared_tmp):
         burst_buffers_in_shm(comm, shared_tmp, "again") as (config, home),
         bbio.Checkpointer(comm, "again", keep_bb=1, config=config) as ckpt,
     ):
-        for step in range(1, 5):
-            ckpt.save(step, state(step, rank, rows=2000)).wait(timeout=60)
-            settle(comm, home)
+        save_until_files_take_turns(comm, ckpt, home, lambda step: state(step, rank, 2000))
         ckpt.save(4, state(5, rank, rows=2000), replace=True).wait(timeout=60)
         assert deleted_files_mapped(home) == []
         assert same(ckpt.restore()[1], state(5, rank, rows=2000))
@@ -201,29 +213,15 @@ def test_a_save_gets_the_room_of_files_another_checkpointer_mapped(comm, shared_
         config = config_for(comm, shared_tmp, bb_root=bb_root)
         mount = Path(bb_root.replace("{node}", str(node_of(comm))))
 
-        def arrays(step: int, name: str) -> dict:
+        def arrays(step: int, name: str = "x") -> dict:
             return {name: np.full(2 << 20, step * 10 + rank, dtype=np.uint8)}
 
         with (
             bbio.Checkpointer(comm, "b", keep_bb=1, config=config) as b,
             bbio.Checkpointer(comm, "a", keep_bb=1, config=config) as a,
         ):
-            for step in range(1, 5):
-                b.save(step, arrays(step, "x")).wait(timeout=60)
-                settle(comm, mount / "ckpt" / "b")
-            drain_pid = b._drain.pid if leader(comm) else None
-            if drain_pid is not None:
-                os.kill(drain_pid, signal.SIGSTOP)
-            try:
-                comm.Barrier()
-                b.save(5, arrays(5, "x"))
-                queued = b.save(6, arrays(6, "x"))
-                comm.Barrier()
-            finally:
-                if drain_pid is not None:
-                    os.kill(drain_pid, signal.SIGCONT)
-            queued.wait(timeout=60)
-            settle(comm, mount / "ckpt" / "b")
+            save_until_files_take_turns(comm, b, mount / "ckpt" / "b", arrays)
+            queue_behind_stopped_drains(comm, b, mount / "ckpt" / "b", arrays)
             assert deleted_files_mapped(mount / "ckpt" / "b")
             if leader(comm):
                 (mount / "ckpt" / "probe").unlink(missing_ok=True)
