@@ -211,9 +211,10 @@ class SharedMapping:
                 f"{self.start} to {self.end}"
             )
         crc = ffi.new("uint32_t *")
-        _lib().bbio_copy_crc(
-            self._base + (offset - self.start), ffi.from_buffer(view), view.nbytes, crc
-        )
+        into = self._base + (offset - self.start)
+        err = _lib().bbio_copy_crc(into, ffi.from_buffer(view), view.nbytes, crc)
+        if err:
+            raise errno_error(err, "write through a mapping of", self.path)
         return int(crc[0])
 
     def close(self) -> None:

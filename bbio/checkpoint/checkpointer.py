@@ -384,7 +384,7 @@ class Checkpointer:
                 raise
             free, old_copy, old_save = None, False, None
             if self.topo.is_leader:  # a spare is claimed or deleted before the node writes
-                free = files.free_bytes(self.bb_dir) + drain.spare_bytes(self.bb_dir, self.node)
+                free = self._bb_room()
                 old_copy = self._has_bb_copy(step)
                 old_save = self._complete_bb_save(step) if old_copy else None
                 (self.bb_dir / layout.step_dirname(step)).mkdir(parents=True, exist_ok=True)
@@ -817,7 +817,7 @@ class Checkpointer:
             def trim() -> tuple[int, int] | None:
                 if not self.topo.is_leader or need[self.node] <= free[self.node]:
                     return None
-                left = files.free_bytes(self.bb_dir) + drain.spare_bytes(self.bb_dir, self.node)
+                left = self._bb_room()
                 if need[self.node] <= left:  # the room of files other ranks still mapped
                     return self.node, left
                 drain.drop_spares(self.bb_dir, self.node)
@@ -839,6 +839,11 @@ class Checkpointer:
                 f"needed, {format_bytes(left)} free)"
             )
         return not short
+
+    def _bb_room(self) -> int:
+        """A node leader: the bytes free in the node's burst buffer, its spare files
+        counted (a save reuses or deletes them before it writes)."""
+        return files.free_bytes(self.bb_dir) + drain.spare_bytes(self.bb_dir, self.node)
 
     def _start_drain(self) -> None:
         """Start this node's drain, unless this process's is running or another drain
