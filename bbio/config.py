@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import getpass
+import numbers
 import os
 import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from bbio.arguments import integer_argument
 from bbio.errors import ConfigError
@@ -28,6 +31,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 SITE_CONFIG_FILE = Path("/etc/bbio/bbio.toml")
 ENV_PREFIX = "BBIO_"
+COUNT_MAXIMUM = 2**31 - 1  # threads, ranks, files in flight: a C int
+BYTES_MAXIMUM = 2**62  # sizes: far above any machine's, below what C's 64-bit sizes hold
 
 
 def _setting(
@@ -35,7 +40,7 @@ def _setting(
     help: str,
     choices: tuple[str, ...] = (),
     minimum: int = 1,
-    maximum: int | None = None,
+    maximum: int = BYTES_MAXIMUM,
 ) -> Any:
     metadata = {"help": help, "choices": choices, "minimum": minimum, "maximum": maximum}
     return dataclasses.field(default=default, metadata=metadata)
@@ -56,6 +61,7 @@ class Config:
         None,
         "Virtual nodes: group this many consecutive ranks into one node. "
         "Unset: nodes are real hosts (MPI_COMM_TYPE_SHARED).",
+        maximum=COUNT_MAXIMUM,
     )
     job_id: str = _setting(
         "local", "Job identifier; defaults to SLURM_JOB_ID when that is set, else 'local'."
@@ -72,12 +78,15 @@ class Config:
         "to the PFS: one thread, in file order).",
     )
     io_threads: int = _setting(
-        8, "Collective reads: requests the native batched reader keeps in flight per process."
+        8,
+        "Collective reads: requests the native batched reader keeps in flight per process.",
+        maximum=COUNT_MAXIMUM,
     )
     stage_files_in_flight: int = _setting(
         32,
         "Staging and pack: files (or pieces) copied or read at once per node, shared out "
         "among the node's ranks.",
+        maximum=COUNT_MAXIMUM,
     )
     progress: str = _setting(
         "auto",
@@ -88,7 +97,9 @@ class Config:
         64 << 20, "Staging splits files larger than this into pieces copied by different ranks."
     )
     aggregators_per_node: int = _setting(
-        1, "Collective reads: ranks per node that read for everyone (the lowest node ranks)."
+        1,
+        "Collective reads: ranks per node that read for everyone (the lowest node ranks).",
+        maximum=COUNT_MAXIMUM,
     )
     stripe_size: int | None = _setting(
         None,
@@ -237,7 +248,7 @@ def _convert(name: str, raw: Any, source: str) -> Any:
         minimum, maximum = (SETTINGS[name].metadata[bound] for bound in ("minimum", "maximum"))
         if value < minimum:
             raise ConfigError(f"{source}: {name} must be at least {minimum}, got {value}")
-        if maximum is not None and value > maximum:
+        if value > maximum:
             raise ConfigError(f"{source}: {name} must be at most {maximum}, got {value}")
         return value
     if not isinstance(raw, str):
@@ -254,14 +265,14 @@ def _convert(name: str, raw: Any, source: str) -> Any:
 
 
 def _integer(raw: Any) -> int | None:
-    """``raw`` as an int if it is one or a string of ASCII digits (``-`` first allowed, so
-    that a negative number is refused as one); None for anything else (bool, float,
-    ``"1_000"``, ``" 8"``, ``"+8"``)."""
-    if isinstance(raw, bool) or not isinstance(raw, (int, str)):
-        return None
+    """``raw`` as an int if it is an integer (numpy's too) or a string of ASCII digits
+    (``-`` first allowed, so that a negative number is refused as one); None for anything
+    else (bool, float, ``"1_000"``, ``" 8"``, ``"+8"``)."""
     if isinstance(raw, str):
         return int(raw) if re.fullmatch(r"-?[0-9]+", raw) else None
-    return raw
+    if isinstance(raw, (bool, np.bool_)) or not isinstance(raw, numbers.Integral):
+        return None
+    return int(raw)
 
 
 def config_file_path(

@@ -153,14 +153,14 @@ def job_dir(site: Site, job: Job) -> Path:
             hint=f"{fix} with {{node}} in a component below the job's, e.g. "
             "/local/nvme/bbio/{job}/{node}",
         )
-    path = job_config(site.config, job).expand(template)
-    if not path.is_absolute():
+    if not os.path.isabs(template):  # "~" too: root's home in the hooks, the user's in the job
         raise ConfigError(
             f"bb_root {bb_root} (from {site.describe()}) is not an absolute path: the hooks "
-            "would make and remove the job's directory relative to wherever slurmd runs them",
+            "would make and remove the job's directory relative to wherever slurmd runs them "
+            "(or, for ~, in root's home instead of the job's user's)",
             hint=f"{fix} to an absolute path, e.g. /local/nvme/bbio/{{job}}",
         )
-    return path
+    return job_config(site.config, job).expand(template)
 
 
 def journals_under(job_root: Path) -> list[Path]:
@@ -359,14 +359,16 @@ def epilog(site: Site, job: Job, timeout: float | None) -> Epilog:
     remove after draining anyway: all but the checkpoints.  Not collective.  Raises
     :class:`UsageError` for a negative or NaN ``timeout`` (``inf``: no limit)."""
     timeout = seconds_argument("epilog: timeout", timeout)
+    limited = timeout is not None and not math.isinf(timeout)
+    deadline = time.monotonic() + timeout if limited else None  # one budget for both steps
     path = job_dir(site, job)
     if not os.path.lexists(path):
         return Epilog(path, [], False)
     check_parents(path)
     journals = journals_under(path)
     if journals and _short_of_room(path):
-        _make_room_as(job, path, journals, timeout)
-    failed = _finish_as(job, journals, timeout)
+        _make_room_as(job, path, journals, deadline)
+    failed = _finish_as(job, journals, timeout, deadline)
     if failed:
         return Epilog(path, failed, False)
     _remove_tree(path)
@@ -380,21 +382,28 @@ def _short_of_room(path: Path) -> bool:
     return st.f_bavail * st.f_frsize < DRAIN_ROOM_BYTES or (st.f_files > 0 and st.f_favail == 0)
 
 
-def _make_room_as(job: Job, job_root: Path, journals: list[Path], timeout: float | None) -> None:
+def _make_room_as(job: Job, job_root: Path, journals: list[Path], deadline: float | None) -> None:
     """:func:`_remove_all_but_checkpoints` in a child process as the job's user: what the
     user may delete, never through a symlink the user swaps in meanwhile (as root, the
-    job's processes could have root delete files elsewhere).  Waited for at most
-    ``timeout`` seconds (None: no limit), then killed; a failure is said on stderr and
-    the drains go on (they fail, named, if the room was needed)."""
+    job's processes could have root delete files elsewhere).  Waited for until
+    ``deadline`` (``time.monotonic()``; None: no limit), then killed; a failure is said
+    on stderr and the drains go on (they fail, named, if the room was needed)."""
     child = multiprocessing.get_context("fork").Process(
         target=_make_room_in_child, args=(job, job_root, journals)
     )
     child.start()
-    child.join(None if timeout is None or math.isinf(timeout) else timeout)
-    if child.exitcode is None:
-        child.kill()
-        child.join(KILLED_GRACE_SECONDS)
-        print(f"bbio epilog: making room in {job_root} took over {timeout} s", file=sys.stderr)
+    while child.exitcode is None:
+        left = WAIT_SLICE_SECONDS if deadline is None else deadline - time.monotonic()
+        if left <= 0:
+            child.kill()
+            child.join(KILLED_GRACE_SECONDS)
+            print(
+                f"bbio epilog: making room in {job_root} was cut short at the epilog's "
+                "timeout; the drains are tried in the time left",
+                file=sys.stderr,
+            )
+            return
+        child.join(min(left, WAIT_SLICE_SECONDS))
 
 
 def _make_room_in_child(job: Job, job_root: Path, journals: list[Path]) -> None:
@@ -471,34 +480,37 @@ def _remove_tree(path: Path) -> None:
         )
 
 
-def _finish_as(job: Job, journals: list[Path], timeout: float | None) -> list[str]:
+def _finish_as(
+    job: Job, journals: list[Path], timeout: float | None, deadline: float | None
+) -> list[str]:
     """:func:`admin.finish_journals` of each of ``journals`` in a child process of its
     own, up to ``DRAINS_AT_ONCE`` at a time: as the job's user when this runs as root
-    (it drops root's privileges: the PFS sees the user's files), and killed if it is
-    not done ``ENDING_GRACE_SECONDS`` after ``timeout`` (a file operation that never
-    returns, on a hung PFS or a FIFO the job left, can hold neither the node for ever
-    nor the other journals: what it did not drain is reported and kept).  Children
-    killed are waited for ``KILLED_GRACE_SECONDS`` in all: one stuck in the kernel is
-    left."""
+    (it drops root's privileges: the PFS sees the user's files), given what is left
+    until the epilog's ``deadline`` (``time.monotonic()``, ``timeout`` seconds after the
+    epilog began; None: no limit), and killed if it is not done
+    ``ENDING_GRACE_SECONDS`` after it (a file operation that never returns, on a hung
+    PFS or a FIFO the job left, can hold neither the node for ever nor the other
+    journals: what it did not drain is reported and kept).  Children killed are waited
+    for ``KILLED_GRACE_SECONDS`` in all: one stuck in the kernel is left."""
     if not journals:
         return []
     _load_drain_code()
     context = multiprocessing.get_context("fork")
-    limit = None if timeout is None else timeout + ENDING_GRACE_SECONDS
-    deadline = None if limit is None else time.monotonic() + limit
+    killed_at = None if deadline is None else deadline + ENDING_GRACE_SECONDS
     waiting, running, ended, failed = list(journals), {}, [], []
     try:
         while waiting or running:
             while waiting and len(running) < DRAINS_AT_ONCE:
                 journal = waiting.pop(0)
                 receiving, sending = context.Pipe(duplex=False)
+                left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
                 child = context.Process(
-                    target=_finish_in_child, args=(job, [journal], timeout, sending)
+                    target=_finish_in_child, args=(job, [journal], left, sending)
                 )
                 child.start()
                 sending.close()
                 running[receiving] = (journal, child)
-            left = None if deadline is None else deadline - time.monotonic()
+            left = None if killed_at is None else killed_at - time.monotonic()
             if left is not None and left <= 0:
                 break
             waiting_for = None if left is None else min(left, WAIT_SLICE_SECONDS)
@@ -510,7 +522,11 @@ def _finish_as(job: Job, journals: list[Path], timeout: float | None) -> list[st
                 except EOFError:  # the child died before it could answer
                     failed.append(f"{journal} (the drain as user {job.user} ended abnormally)")
     finally:  # the time is up, or this process failed: no child is left draining
-        cut_short = "not drained" if limit is None else f"not drained within {limit:.0f} s"
+        cut_short = (
+            "not drained"
+            if killed_at is None or timeout is None
+            else f"not drained within {timeout + ENDING_GRACE_SECONDS:.0f} s"
+        )
         for journal, child in running.values():
             child.kill()
             ended.append(child)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from bbio.config import Config, load_config
@@ -67,11 +68,34 @@ def test_virtual_nodes_on_one_machine_need_their_own_directories():
         ({"BBIO_IO_THREADS": " 8 "}, "io_threads must be an integer, got ' 8 '"),
         ({"BBIO_IO_THREADS": "+8"}, "io_threads must be an integer, got '\\+8'"),
         ({"BBIO_IO_THREADS": "-3"}, "io_threads must be at least 1, got -3"),
+        # before, too large for C: an OverflowError deep in a copy, naming no setting
+        (
+            {"BBIO_STAGE_FILES_IN_FLIGHT": "9999999999"},
+            "BBIO_STAGE_FILES_IN_FLIGHT: stage_files_in_flight must be at most 2147483647",
+        ),
+        (
+            {"BBIO_COPY_BUFFER_SIZE": "99999999999999999999"},
+            "copy_buffer_size must be at most 4611686018427387904",
+        ),
     ],
 )
 def test_bad_values_name_their_source(env, message):
     with pytest.raises(ConfigError, match=message):
         load_config(env=env)
+
+
+def test_the_largest_values_are_accepted():
+    config = load_config(env={"BBIO_IO_THREADS": "2147483647", "BBIO_CHUNK_SIZE": str(2**62)})
+    assert (config.io_threads, config.chunk_size) == (2**31 - 1, 2**62)
+
+
+def test_numpy_integers_are_integers_in_arguments():
+    """Before, ``io_threads=np.int64(8)`` was refused as not an integer."""
+    config = load_config(env={}, io_threads=np.int64(8), ranks_per_node=np.int32(2))
+    assert (config.io_threads, config.ranks_per_node) == (8, 2)
+    assert type(config.io_threads) is int
+    with pytest.raises(ConfigError, match="io_threads must be an integer"):
+        load_config(env={}, io_threads=np.bool_(True))
 
 
 @pytest.mark.parametrize(

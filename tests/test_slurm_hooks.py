@@ -144,7 +144,13 @@ def test_the_prolog_hands_over_no_directory_it_did_not_make_for_the_user(site):
 
 @pytest.mark.parametrize(
     ("bb_root", "says"),
-    [("/tmp/bbio-{user}/bb/{node}", "has no {job}"), ("/local/{node}-{job}", "beside {job}")],
+    [
+        ("/tmp/bbio-{user}/bb/{node}", "has no {job}"),
+        ("/local/{node}-{job}", "beside {job}"),
+        ("local/{job}", "not an absolute path"),
+        # before, accepted: root's home in the hooks, the user's home in the job
+        ("~/bbio/{job}", "not an absolute path.*root's home"),
+    ],
 )
 def test_a_bb_root_the_hooks_cannot_manage_per_job_is_refused(bb_root, says):
     with pytest.raises(ConfigError, match=says):
@@ -467,7 +473,8 @@ def test_an_epilog_that_cannot_remove_the_job_directory_names_the_full_path(tmp_
 
 
 @as_root
-def test_an_epilog_on_a_full_burst_buffer_makes_room_then_drains(site):
+@pytest.mark.parametrize("timeout", ["60", "1e7"])  # 1e7: before, an OverflowError in poll()
+def test_an_epilog_on_a_full_burst_buffer_makes_room_then_drains(site, timeout):
     """The job filled its burst buffer: the drain could not write its status and records
     there, drained nothing, and every run of the epilog failed the same way."""
     env = hook_env(site)
@@ -480,11 +487,44 @@ def test_an_epilog_on_a_full_burst_buffer_makes_room_then_drains(site):
         (results / "link").symlink_to(site / "pfs")  # removed, not followed
         fill_up(results / "filler")
         chown_tree(job_dir, JOB.uid, JOB.gid)
-        removed = run_python("-m", "bbio", "slurm", "epilog", "--timeout", "60", env=env)
+        removed = run_python("-m", "bbio", "slurm", "epilog", "--timeout", timeout, env=env)
         assert removed.returncode == 0, removed.stderr
         assert not job_dir.exists()
     assert drain.read_manifest(site / "pfs" / layout.step_dirname(7))["time"] == 1.5
     assert (site / "pfs").is_dir()
+
+
+@as_root
+def test_making_room_and_draining_share_the_epilogs_timeout(site):
+    """Making room (slowed here by 5 s) and the drains had a timeout each: with a drain
+    stuck on a FIFO the job left, an epilog of timeout 6 ran 5 + 6 + its grace, past
+    the ``PrologEpilogTimeout`` the admin guide asks for, and Slurm killed it first."""
+    env = hook_env(site)
+    with tmpfs(site / "local", "size=8m,mode=0755"):
+        assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
+        job_dir = site / "local" / "nobody" / "bbio-4242"
+        journals = two_node_save(job_dir, 7, 1.5, pfs_root=site / "pfs")
+        record = drain.pending(journals[0])[0].source.parent / layout.node_record_name(0)
+        record.unlink()
+        os.mkfifo(record)
+        fill_up(job_dir / "0" / "filler")
+        chown_tree(job_dir, JOB.uid, JOB.gid)
+        code = (
+            "import time\n"
+            "from bbio import slurm, cli\n"
+            "slurm.ENDING_GRACE_SECONDS = 2\n"
+            "make_room = slurm._remove_all_but_checkpoints\n"
+            "slurm._remove_all_but_checkpoints = lambda *a: (time.sleep(5), make_room(*a))\n"
+            "raise SystemExit(cli.main())\n"
+        )
+        started = time.monotonic()
+        result = run_python("-c", code, "slurm", "epilog", "--timeout", "6", env=env)
+        took = time.monotonic() - started
+        assert result.returncode == 1, result.stderr[-2000:]
+        assert "not drained within 8 s: killed" in result.stderr, result.stderr[-2000:]
+        assert took < 11.5, f"the epilog took {took:.1f} s: timeout 6, grace 2"
+        assert job_dir.exists() and not (job_dir / "0" / "filler").exists()
+    assert (site / "pfs" / layout.step_dirname(7) / layout.node_record_name(1)).exists()
 
 
 def test_making_room_walks_a_tree_of_any_depth_and_keeps_the_checkpoints(tmp_path):
