@@ -15,6 +15,7 @@ that an admin can recover it.  ``jobscripts/slurm-prolog.sh`` and
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import math
@@ -22,6 +23,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pwd
+import re
 import shutil
 import stat
 import subprocess
@@ -43,6 +45,7 @@ WAIT_SLICE_SECONDS = 3600.0  # the epilog waits for its drains this long at most
 SITE_VARIABLES = ("BBIO_CONFIG",)  # the only BBIO_* variable the hooks read: the site file
 LARGEST_ID = 2**32 - 2  # uid_t and gid_t; 2**32 - 1 is (uid_t) -1, "no change" to chown
 CAP_CHOWN = 0  # its bit in /proc/self/status's CapEff
+MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8  # umount2's flags (linux/fs.h)
 FILE_SYSTEM_HINT = (
     "check the burst buffer's file system (mounted read-write? space and inodes free: df -h, "
     "df -i), then resume the node (scontrol update nodename=NODE state=resume)"
@@ -371,8 +374,53 @@ def epilog(site: Site, job: Job, timeout: float | None) -> Epilog:
     failed = _finish_as(job, journals, timeout, deadline)
     if failed:
         return Epilog(path, failed, False)
+    _detach_mounts_below(path)
     _remove_tree(path)
     return Epilog(path, [], True)
+
+
+def mounts_below(root: Path, mountinfo: bytes) -> list[Path]:
+    """The mount points strictly below ``root`` in ``mountinfo`` (the text of
+    ``/proc/self/mountinfo``), deepest first."""
+    unescape = re.compile(rb"\\([0-7]{3})")  # space, tab, newline, backslash: \ooo
+    below = []
+    for line in mountinfo.splitlines():
+        fields = line.split(b" ")
+        if len(fields) > 4:
+            point = unescape.sub(lambda octal: bytes([int(octal[1], 8)]), fields[4])
+            path = Path(os.fsdecode(point))
+            if root in path.parents:
+                below.append(path)
+    return sorted(below, key=lambda path: len(path.parts), reverse=True)
+
+
+def _detach_mounts_below(job_root: Path) -> None:
+    """Lazily unmount (``MNT_DETACH``) every file system the job left mounted in its
+    directory, deepest first, so that removing the directory deletes nothing on
+    them (a user's FUSE mount, dead or alive) and does not fail on their mount
+    points.  A mount point whose parent is no longer the path the kernel gave
+    (a symlink swapped in) is refused, not followed."""
+    with open("/proc/self/mountinfo", "rb") as listing:
+        mountinfo = listing.read()
+    libc = ctypes.CDLL(None, use_errno=True)
+    for point in mounts_below(job_root, mountinfo):
+        if os.path.realpath(point.parent) != os.fspath(point.parent):
+            raise ConfigError(
+                "a file system is mounted in the job's directory under a path that now "
+                "leads elsewhere",
+                path=point,
+                hint="unmount it by hand (umount -l), then run the epilog again and resume "
+                "the node",
+            )
+        if libc.umount2(os.fsencode(point), MNT_DETACH | UMOUNT_NOFOLLOW) != 0:
+            code = ctypes.get_errno()
+            raise from_oserror(
+                OSError(code, os.strerror(code)),
+                "unmount what the job left mounted in its burst-buffer directory",
+                point,
+                hint="unmount it by hand (umount -l), then run the epilog again and resume "
+                "the node",
+            )
 
 
 def _short_of_room(path: Path) -> bool:

@@ -456,6 +456,46 @@ def test_a_job_uid_or_gid_out_of_range_is_refused_naming_the_variable(variable, 
         slurm.Job.from_env({**env, variable: value})
 
 
+def test_mounts_below_a_job_directory_are_read_from_mountinfo_deepest_first():
+    mountinfo = (
+        b"22 1 0:21 / / rw - ext4 /dev/sda1 rw\n"
+        b"47 22 0:42 / /bb/4242 rw - tmpfs tmpfs rw\n"  # the job's directory itself: kept
+        b"48 47 0:43 / /bb/4242/0/data rw - fuse.sshfs u@h: rw\n"
+        b"49 48 0:44 / /bb/4242/0/data/in\\040it rw - tmpfs tmpfs rw\n"  # a space, escaped
+        b"50 22 0:45 / /bb/42420/x rw - tmpfs tmpfs rw\n"  # another job's
+    )
+    assert slurm.mounts_below(Path("/bb/4242"), mountinfo) == [
+        Path("/bb/4242/0/data/in it"),
+        Path("/bb/4242/0/data"),
+    ]
+
+
+@as_root
+def test_an_epilog_unmounts_what_the_job_left_mounted_and_deletes_nothing_on_it(site):
+    """A file system left mounted in the job's directory (a user's FUSE mount): the
+    removal deleted the files on it, then failed on its mount point (busy), and Slurm
+    drained the node."""
+    env = hook_env(site)
+    assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
+    job_dir = site / "local" / "nobody" / "bbio-4242"
+    mount_point = job_dir / "0" / "mounted data"
+    mount_point.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mount_point)], check=True)
+    try:
+        (mount_point / "kept.txt").write_text("not the job's to delete")
+        holder = os.open(mount_point, os.O_RDONLY)  # what was mounted, reachable after
+        try:
+            removed = run_python("-m", "bbio", "slurm", "epilog", env=env)
+            assert removed.returncode == 0, removed.stderr
+            assert not job_dir.exists()
+            with open(os.open("kept.txt", os.O_RDONLY, dir_fd=holder)) as kept:
+                assert kept.read() == "not the job's to delete"
+        finally:
+            os.close(holder)
+    finally:
+        subprocess.run(["umount", "--lazy", str(mount_point)], capture_output=True)
+
+
 @as_root
 def test_an_epilog_that_cannot_remove_the_job_directory_names_the_full_path(tmp_path):
     """Before, the error named the file relative to its directory (``[x]``)."""
