@@ -368,6 +368,7 @@ def epilog(site: Site, job: Job, timeout: float | None) -> Epilog:
     if not os.path.lexists(path):
         return Epilog(path, [], False)
     check_parents(path)
+    _detach_mounts_below(path, unreachable_only=True)  # nothing there to drain or delete
     journals = journals_under(path)
     if journals and _short_of_room(path):
         _make_room_as(job, path, journals, deadline)
@@ -394,16 +395,20 @@ def mounts_below(root: Path, mountinfo: bytes) -> list[Path]:
     return sorted(below, key=lambda path: len(path.parts), reverse=True)
 
 
-def _detach_mounts_below(job_root: Path) -> None:
+def _detach_mounts_below(job_root: Path, unreachable_only: bool = False) -> None:
     """Lazily unmount (``MNT_DETACH``) every file system the job left mounted in its
     directory, deepest first, so that removing the directory deletes nothing on
     them (a user's FUSE mount, dead or alive) and does not fail on their mount
-    points.  A mount point whose parent is no longer the path the kernel gave
-    (a symlink swapped in) is refused, not followed."""
+    points; with ``unreachable_only``, only those whose mount point cannot be
+    looked at (a FUSE mount whose process died: ``find`` failed on it, and the
+    epilog with it).  A mount point whose parent is no longer the path the kernel
+    gave (a symlink swapped in) is refused, not followed."""
     with open("/proc/self/mountinfo", "rb") as listing:
         mountinfo = listing.read()
     libc = ctypes.CDLL(None, use_errno=True)
     for point in mounts_below(job_root, mountinfo):
+        if unreachable_only and _reachable(point):
+            continue
         if os.path.realpath(point.parent) != os.fspath(point.parent):
             raise ConfigError(
                 "a file system is mounted in the job's directory under a path that now "
@@ -452,6 +457,14 @@ def _make_room_as(job: Job, job_root: Path, journals: list[Path], deadline: floa
             )
             return
         child.join(min(left, WAIT_SLICE_SECONDS))
+
+
+def _reachable(path: Path) -> bool:
+    try:
+        os.lstat(path)
+    except OSError:
+        return False
+    return True
 
 
 def _make_room_in_child(job: Job, job_root: Path, journals: list[Path]) -> None:

@@ -58,6 +58,13 @@ if ! command -v h5dump >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-g
     { apt-get install -y -q hdf5-tools || { apt-get update -q && apt-get install -y -q hdf5-tools; }; } >/dev/null \
         || say "hdf5-tools unavailable; the h5dump test will be skipped"
 fi
+# bindfs (a FUSE file system: a test leaves one dead in a job's directory); optional too
+if ! command -v bindfs >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing bindfs (a FUSE file system for the epilog's tests)"
+    export DEBIAN_FRONTEND=noninteractive
+    { apt-get install -y -q bindfs || { apt-get update -q && apt-get install -y -q bindfs; }; } >/dev/null \
+        || say "bindfs unavailable; the epilog's test of a dead FUSE mount will be skipped"
+fi
 is_parallel_hdf5 "$hdf5_dir" || die "HDF5 at '$hdf5_dir' is not built with MPI (H5_HAVE_PARALLEL missing in include/H5pubconf.h); set HDF5_DIR to a parallel HDF5"
 say "MPI: $(command -v mpicc); parallel HDF5: $hdf5_dir"
 

@@ -496,6 +496,51 @@ def test_an_epilog_unmounts_what_the_job_left_mounted_and_deletes_nothing_on_it(
         subprocess.run(["umount", "--lazy", str(mount_point)], capture_output=True)
 
 
+def reachable(path: Path) -> bool:
+    try:
+        os.lstat(path)
+    except OSError:
+        return False
+    return True
+
+
+@as_root
+@pytest.mark.skipif(shutil.which("bindfs") is None, reason="needs bindfs (scripts/setup-env.sh)")
+def test_an_epilog_drains_and_removes_past_a_dead_fuse_mount_the_job_left(site):
+    """A FUSE mount whose process ended with the job ("Transport endpoint is not
+    connected"): the search for journals failed on it, so every epilog of the job
+    failed, drained nothing, and Slurm drained the node."""
+    env = hook_env(site)
+    assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
+    job_dir = site / "local" / "nobody" / "bbio-4242"
+    two_node_save(job_dir, 7, 1.5, pfs_root=site / "pfs")
+    mounted = site / "user-files"
+    mounted.mkdir()
+    (mounted / "kept.txt").write_text("the user's")
+    mount_point = job_dir / "0" / "data"
+    mount_point.mkdir()
+    chown_tree(job_dir, JOB.uid, JOB.gid)
+    fuse = subprocess.Popen(["bindfs", "-f", str(mounted), str(mount_point)])
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(mount_point):
+            assert fuse.poll() is None and time.monotonic() < deadline, "bindfs did not mount"
+            time.sleep(0.05)
+        fuse.kill()
+        fuse.wait()
+        while reachable(mount_point):  # once FUSE's cached attributes expire
+            assert time.monotonic() < deadline, "the killed FUSE mount stayed reachable"
+            time.sleep(0.1)
+        removed = run_python("-m", "bbio", "slurm", "epilog", "--timeout", "60", env=env)
+        assert removed.returncode == 0, removed.stderr[-2000:]
+        assert not job_dir.exists()
+        assert drain.read_manifest(site / "pfs" / layout.step_dirname(7))["time"] == 1.5
+        assert (mounted / "kept.txt").read_text() == "the user's"
+    finally:
+        fuse.kill()
+        subprocess.run(["umount", "--lazy", str(mount_point)], capture_output=True)
+
+
 @as_root
 def test_an_epilog_that_cannot_remove_the_job_directory_names_the_full_path(tmp_path):
     """Before, the error named the file relative to its directory (``[x]``)."""

@@ -10,6 +10,10 @@ Layout of ``OUT``:
   shard's file name, sample count, bytes, CRC32C of the file, and the byte
   offset of ``data`` inside it, so readers can fetch samples with plain
   ``pread``.  Samples are numbered in path order across shards.
+* ``bbio-pack.pending``: while a pack is written (and after it failed), the
+  shards it may have written or may still remove.  A pack replaces or removes
+  only shards the index or this marker lists, and refuses an ``OUT`` holding
+  other files named like shards.
 
 Plain h5py reads a sample: ``f["data"][f["offsets"][i] : f["offsets"][i] + f["sizes"][i]]``.
 """
@@ -18,9 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +34,14 @@ from bbio import _native
 from bbio._version import __version__
 from bbio.arguments import integer_argument
 from bbio.config import Config, load_config
-from bbio.errors import DependencyError, IntegrityError, NoSpaceError, NotFoundError, from_oserror
+from bbio.errors import (
+    AlreadyExistsError,
+    DependencyError,
+    IntegrityError,
+    NoSpaceError,
+    NotFoundError,
+    from_oserror,
+)
 from bbio.mpi import agreed, deal, topology
 from bbio.report import format_bytes, format_table
 from bbio.stage.plan import OPEN_FILES_AT_ONCE, group_by_size
@@ -42,6 +54,7 @@ FORMAT = "bbio-pack/1"
 INDEX_NAME = "bbio-pack.json"
 # while a pack is written into a directory (and after it failed there): readers refuse it
 PENDING_NAME = "bbio-pack.pending"
+SHARD_GLOB = "shard-*.h5"
 DEFAULT_SHARD_SIZE = 1 << 30
 _SLAB = 64 << 20
 # Room a shard needs beyond its samples' bytes: per sample (its name, offset, size
@@ -49,6 +62,11 @@ _SLAB = 64 << 20
 _SAMPLE_OVERHEAD_BYTES = 128
 _SHARD_OVERHEAD_BYTES = 64 << 10
 FULL_HINT = "free space there, or pack fewer files (--include/--exclude)"
+FOREIGN_SHARDS_HINT = (
+    "move those files elsewhere, or pack into another directory: bbio pack replaces and "
+    "removes only the shards its own earlier packs there listed (shards an older bbio left "
+    "from a pack that did not finish are not listed: delete them)"
+)
 CHANGED_HINT = "stop what writes to the source, then run bbio pack again"
 
 
@@ -299,15 +317,21 @@ def _reserve(f, nbytes: int) -> None:
     _native.preallocate(f.id.get_vfd_handle(), nbytes, at_least=0)
 
 
-def _check_capacity(out: Path, shards: Sequence[Sequence[Entry]]) -> None:
+def _check_capacity(
+    out: Path, shards: Sequence[Sequence[Entry]], recorded: Collection[str] | None = None
+) -> None:
     """Raise :class:`NoSpaceError` unless ``out`` has room for ``shards``, written in any
     order, each after the shard of its name that an earlier pack left was deleted
-    (:func:`_write_shard`): what each needs beyond that one's bytes.  Not collective."""
+    (:func:`_write_shard`): what each needs beyond that one's bytes.  Only the shards in
+    ``recorded`` (:func:`recorded_shards`; None: any there) count as replaced.  Not
+    collective."""
     needed = 0
     for index, group in enumerate(shards):
         replaced = 0
-        with contextlib.suppress(OSError):
-            replaced = (out / shard_name(index)).stat().st_size
+        name = shard_name(index)
+        if recorded is None or name in recorded:
+            with contextlib.suppress(OSError):
+                replaced = (out / name).stat().st_size
         needed += max(0, shard_bytes(group) - replaced)
     free = files.free_bytes(out)
     if needed > free:
@@ -315,6 +339,59 @@ def _check_capacity(out: Path, shards: Sequence[Sequence[Entry]]) -> None:
             f"{out} needs about {format_bytes(needed)} ({needed} bytes) "
             f"for the shards, {format_bytes(free)} ({free} bytes) free",
             hint=FULL_HINT,
+        )
+
+
+def _listed_shards(document: object, key: str) -> set[str]:
+    """The file names of shards that ``document[key]`` lists (an index's shards, a marker's
+    names); none when the document has no such list."""
+    listed = document.get(key) if isinstance(document, dict) else None
+    if not isinstance(listed, list):
+        return set()
+    names = (item.get("file") if isinstance(item, dict) else item for item in listed)
+    return {name for name in names if isinstance(name, str)}
+
+
+def _read_record(path: Path) -> object:
+    """The JSON document at ``path``; None when there is none or it is damaged (a record
+    that cannot be read records nothing)."""
+    try:
+        return files.read_json(path)
+    except IntegrityError:
+        return None
+
+
+def recorded_shards(out: Path) -> set[str]:
+    """The shard files an earlier bbio pack into ``out`` recorded: those its index lists,
+    and those the marker of a pack that was writing there (or failed) lists.  Not
+    collective."""
+    return _listed_shards(_read_record(out / INDEX_NAME), "shards") | _listed_shards(
+        _read_record(out / PENDING_NAME), "shards"
+    )
+
+
+def present_shards(out: Path) -> list[str]:
+    """The names in ``out`` that look like shards (``shard-*.h5``), sorted.  Not
+    collective."""
+    try:
+        with os.scandir(out) as entries:
+            return sorted(e.name for e in entries if fnmatch.fnmatchcase(e.name, SHARD_GLOB))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _refuse_foreign_shards(out: Path, recorded: Collection[str]) -> None:
+    """Raise :class:`AlreadyExistsError` naming the files of ``out`` named like shards that
+    no earlier pack there recorded: they are not bbio's to replace.  Not collective."""
+    foreign = [name for name in present_shards(out) if name not in recorded]
+    if foreign:
+        more = f" (and {len(foreign) - 20} more)" if len(foreign) > 20 else ""
+        raise AlreadyExistsError(
+            f"{out} holds {len(foreign)} file(s) named like shards that no bbio pack there "
+            f"recorded (neither {INDEX_NAME} nor {PENDING_NAME} lists them): "
+            f"{', '.join(foreign[:20])}{more}",
+            path=out,
+            hint=FOREIGN_SHARDS_HINT,
         )
 
 
@@ -328,14 +405,17 @@ def _withdraw_index(out: Path) -> None:
         files.fsync_dirs([out])
 
 
-def _remove_shards_beyond(out: Path, count: int) -> None:
-    """Remove the shards of an earlier, larger pack into ``out`` that the index just written
-    (of ``count`` shards) does not list (best effort: they are no longer read)."""
-    index = count
-    while (out / shard_name(index)).exists():
-        with contextlib.suppress(OSError):
-            (out / shard_name(index)).unlink()
-        index += 1
+def _remove_old_shards(out: Path, old: Collection[str]) -> bool:
+    """Remove the shards ``old`` (recorded by an earlier pack, not listed by the index just
+    written) that are still in ``out``; whether all went (best effort: no reader opens
+    them)."""
+    removed = True
+    for name in set(old) & set(present_shards(out)):
+        try:
+            (out / name).unlink()
+        except OSError:
+            removed = False
+    return removed
 
 
 def pack(
@@ -353,7 +433,9 @@ def pack(
     Shards hold files in path order, at most ``shard_size`` bytes each; the
     ranks write different shards.  ``out/bbio-pack.json`` is written last; an
     earlier pack's index in ``out`` is removed first (while this runs, and if it
-    fails, ``out`` is no pack), and its shards beyond the new ones after.
+    fails, ``out`` is no pack), and its shards beyond the new ones after.  Only
+    shards an earlier pack recorded are replaced or removed (:func:`recorded_shards`):
+    an ``out`` holding other ``shard-*.h5`` is refused before the source is walked.
     Every rank must pass the same arguments (paths, lists of globs, a ``shard_size`` of
     at least 1 byte); ``out`` (one directory, no ``{node}``) must not lie inside ``src``
     and needs room for the shards, which is checked first: else every rank raises the
@@ -375,10 +457,13 @@ def pack(
         check_no_node(path, what, "pack")
     start = time.monotonic()
     src, out = config.expand(src), config.expand(out)
+    recorded: set[str] = set()
     with agreed(comm, f"pack: checking {out}"):
         if comm.Get_rank() == 0:
             check_outside(src, out)
             check_destination(out)
+            recorded = recorded_shards(out)
+            _refuse_foreign_shards(out, recorded)
     topo = topology(comm, config.ranks_per_node)
     threads = config.stage_threads(topo.node_comm.Get_size())
     topo.free()
@@ -395,9 +480,14 @@ def pack(
                 files.remove_temp_files(out)  # a failed or killed pack's shards
             except OSError as exc:
                 raise from_oserror(exc, "prepare the output directory", out) from None
-            _check_capacity(out, shards)  # before the old index goes: a refused pack keeps it
+            _refuse_foreign_shards(out, recorded)  # again: files may have come during the walk
+            # before the old index goes: a refused pack keeps it
+            _check_capacity(out, shards, recorded)
+            # the marker lists every shard this pack may write or remove
+            new_names = {shard_name(index) for index in range(len(shards))}
+            marker = {"time": time.time(), "shards": sorted(recorded | new_names)}
             try:
-                files.write_json_atomic(out / PENDING_NAME, {"time": time.time()})
+                files.write_json_atomic(out / PENDING_NAME, marker)
                 _withdraw_index(out)
             except OSError as exc:
                 raise from_oserror(exc, "remove the earlier pack's index", out) from None
@@ -420,9 +510,11 @@ def pack(
                     "shards": [dataclasses.asdict(i) for i in infos],
                 },
             )
-            (out / PENDING_NAME).unlink()  # after the index: never a moment without either
+            # the marker goes after the index (never a moment without either), and only
+            # once the old shards are gone: until then it records them for the next pack
+            if _remove_old_shards(out, recorded - {i.file for i in infos}):
+                (out / PENDING_NAME).unlink()
             files.fsync_dirs([out])
-            _remove_shards_beyond(out, len(infos))
     unmatched = (include or exclude) and not tree.files
     warnings = ["--include/--exclude selected no file of the source"] if unmatched else []
     not_packed = sorted(

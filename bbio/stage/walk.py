@@ -69,7 +69,8 @@ def selected(path: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
     """Whether ``path`` passes the filters: matches an include (if any) and no exclude.
 
     Patterns are shell globs on the path relative to the source; ``*`` also
-    matches ``/``.
+    matches ``/``.  For a path that is not a directory, whose directories the walk
+    entered (a directory is left out by :func:`excluded_dir`, never by an include).
     """
     if include and not any(fnmatch.fnmatchcase(path, p) for p in include):
         return False
@@ -77,13 +78,19 @@ def selected(path: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
 
 
 def excluded_dir(path: str, exclude: Sequence[str]) -> bool:
-    """Whether the walk leaves directory ``path`` out without listing it.  Not collective.
+    """Whether the walk leaves directory ``path``, and everything under it, out without
+    listing it.  Not collective.
 
-    It does when an exclude glob ending in ``*`` matches ``path + "/"``: that glob
-    then matches every path under the directory (``logs/*`` and ``logs*`` leave
-    out ``logs``; ``logs/*.txt`` does not).
+    It does when an exclude glob matches ``path`` itself (``logs``, ``*/cache``), or
+    matches ``path + "/"`` and ends in ``/`` (``logs/``: directories only) or in ``*``
+    (``logs/*``, ``logs*``: such a glob matches every path under the directory), as
+    rsync leaves out an excluded directory.  ``logs/*.txt`` does not.
     """
-    return any(p.endswith("*") and fnmatch.fnmatchcase(path + "/", p) for p in exclude)
+    return any(
+        fnmatch.fnmatchcase(path, p)
+        or (p.endswith(("/", "*")) and fnmatch.fnmatchcase(path + "/", p))
+        for p in exclude
+    )
 
 
 def symlink_target(root: Path, rel: str) -> str | None:
@@ -129,7 +136,7 @@ def _stat_one(
     root: Path, rel: str, st: os.stat_result, include: Sequence[str], exclude: Sequence[str]
 ) -> Entry | Skipped | None:
     """The entry for ``rel`` (whose ``lstat`` is ``st``); Skipped for things never copied;
-    None if filtered out (a directory only by :func:`excluded_dir`)."""
+    None if filtered out (a directory only by :func:`excluded_dir`, with all it holds)."""
     mode = stat.S_IMODE(st.st_mode)
     if stat.S_ISDIR(st.st_mode):
         if excluded_dir(rel, exclude):
