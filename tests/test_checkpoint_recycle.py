@@ -218,3 +218,58 @@ def test_a_spare_counts_as_room_in_a_burst_buffer_that_holds_four_files(comm, sh
         comm.Barrier()
         if comm.Get_rank() == 0:
             subprocess.run(["umount", "--lazy", str(small)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a small tmpfs needs root")
+def test_a_spare_its_rewrite_would_grow_past_its_room_is_laid_out_anew(comm, shared_tmp):
+    """Each rewrite of a spare grows it by its string attributes (HDF5 does not reuse their
+    old room): 100 KiB of ``attrs``, 104 KiB a rewrite.  Every save here is left just
+    the room it asks for: once a spare was within that room but its rewrite was not,
+    HDF5 met the full device when it closed the file, closed it again, and crashed the
+    job (SIGSEGV).  Now such a spare is laid out anew, in the room it gives back."""
+    small = shared_tmp / "growing"
+    if comm.Get_rank() == 0:
+        for node in (0, 1):
+            (small / str(node)).mkdir(parents=True)
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(small / str(node))],
+                check=True,
+            )
+    comm.Barrier()
+    try:
+        config = config_for(comm, shared_tmp, bb_root=str(small / "{node}"))
+        home = small / str(node_of(comm)) / "ckpt" / "growing"
+        filler = home.parent / "filler"
+        rank, blob = comm.Get_rank(), "x" * (100 << 10)
+        laid_anew = False
+        with bbio.Checkpointer(comm, "growing", keep_bb=1, config=config) as ckpt:
+            for step in range(1, 31):
+                spare_inode = None
+                if step > 2:
+                    assert settle(comm, home) == 1
+                    if leader(comm):  # the room the save asks for, and nothing more
+                        (home.parent / "probe").unlink()
+                        spare = next(home.glob(layout.spare_pattern())).stat()
+                        record = home / layout.step_dirname(step - 1)
+                        record /= layout.node_record_name(node_of(comm))
+                        room = json.loads(record.read_text())["spare"]["max_bytes"]
+                        free = os.statvfs(home).f_bavail * os.statvfs(home).f_frsize
+                        filler.write_bytes(b"\0" * (free + (spare.st_size - room) // 4096 * 4096))
+                        spare_inode = spare.st_ino
+                handle = ckpt.save(step, state(step, rank), attrs={"blob": blob})
+                assert not handle.direct
+                handle.wait(timeout=60)
+                if spare_inode is not None:
+                    node_file = home / layout.step_dirname(step)
+                    node_file /= layout.node_filename(node_of(comm))
+                    laid_anew |= node_file.stat().st_ino != spare_inode
+                    filler.unlink()
+            assert any(comm.allgather(laid_anew)), "no spare came near its room"
+            restored_step, arrays, attrs = ckpt.restore()
+            assert restored_step == 30 and same(arrays, state(30, rank))
+            assert attrs == {"blob": blob}
+    finally:
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            for node in (0, 1):
+                subprocess.run(["umount", "--lazy", str(small / str(node))], check=True)

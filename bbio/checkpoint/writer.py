@@ -68,6 +68,7 @@ from bbio.transfer import files
 log = logging.getLogger("bbio")
 
 NO_OFFSET = -1  # a dataset with no bytes, in the offsets a node's ranks share
+HEAP_COLLECTION_BYTES = 4 << 10  # the smallest global heap collection HDF5 adds to a file
 
 
 def _h5py():
@@ -179,7 +180,9 @@ def write_node_file(
     h5py = _h5py()
     temp = files.temp_path(path) if temp is None else temp
     leader = node_comm.Get_rank() == 0
-    spare = _open_spare(h5py, temp, node_specs, reserve) if leader and recycled else None
+    spare = None
+    if leader and recycled:
+        spare = _open_spare(h5py, temp, node_specs, reserve, rewrite_growth(attrs, node_specs))
     datasets = _node_datasets(node_specs)
     try:
         offsets = _share_offsets(node_comm, datasets, None if spare is None else spare[1])
@@ -200,10 +203,11 @@ def write_node_file(
             if spare is not None and extents is not None:
                 _set_root_attrs(h5py, spare[0], attrs, extents)
         if spare is not None:
-            spare[0].close()  # HDF5 writes the attributes now: a full BB fails here
+            spare_file, spare = spare[0], None  # closed once: HDF5 crashes on a second try
+            spare_file.close()  # HDF5 writes the attributes now, into the room reserved
     except Exception as exc:  # named after the file: the caller's agreement names the rank
         if spare is not None:
-            with contextlib.suppress(Exception):  # already closed, or failing anyway
+            with contextlib.suppress(Exception):  # failing anyway
                 spare[0].close()
         raise agreed_error([(rank, *describe_error(exc))], f"writing {path}", 1) from exc
     if not leader or extents is None:
@@ -412,23 +416,56 @@ def _overwrite_attr(h5py, owner, name: str, value: Any) -> bool:
     return True
 
 
+def rewrite_growth(
+    attrs: Mapping[str, Any], node_specs: Sequence[tuple[int, Mapping[str, dict]]]
+) -> int:
+    """At most the bytes a rewrite of a spare's root attributes to ``attrs`` (and to the
+    CRC32Cs of the datasets of ``node_specs``) adds to it: HDF5 writes each string anew
+    into a global heap collection it adds to the file, and does not reuse the room of
+    the strings it replaced (4 KiB a rewrite with small attributes; 104 KiB with 100 KiB
+    of them)."""
+    crcs = {rank_dataset(key, owner): 2**32 - 1 for owner, spec in node_specs for key in spec}
+    strings = [value for value in attrs.values() if isinstance(value, str)]
+    strings.append(json.dumps(crcs, sort_keys=True))
+    return sum(len(text.encode()) + HEAP_COLLECTION_BYTES for text in strings)
+
+
 def _open_spare(
-    h5py, temp: Path, node_specs: Sequence[tuple[int, Mapping[str, dict]]], reserve: int
+    h5py,
+    temp: Path,
+    node_specs: Sequence[tuple[int, Mapping[str, dict]]],
+    reserve: int,
+    growth: int,
 ):
     """The node's rank 0: reserve ``reserve`` bytes of the device for the recycled file
-    ``temp`` (its rewritten attributes grow it: HDF5 must not meet a full device when it
-    closes it), open it (alone: only its root attributes will change) and check that it
+    ``temp``, open it (alone: only its root attributes will change) and check that it
     holds the datasets of ``node_specs`` and nothing else (:func:`_spare_offsets`).
-    Returns the open file and the datasets' offsets; or None, said in the log, once
-    ``temp`` is deleted, for the file to be laid out anew (a reader of the old file
-    keeps it).  Never raises: the node's other ranks wait for its answer."""
+    Its rewritten attributes grow it by up to ``growth`` bytes (:func:`rewrite_growth`),
+    which must fit in ``reserve``: HDF5 must not meet a full device when it closes the
+    file (it could not close it).  Returns the open file and the datasets' offsets; or
+    None, once ``temp`` is deleted, for the file to be laid out anew (a reader of the
+    old file keeps it): a spare too large for the rewrite, or one that cannot be
+    rewritten (said in the log).  Never raises: the node's other ranks wait for its
+    answer."""
     f = None
     try:
         fd = os.open(temp, os.O_WRONLY | os.O_CLOEXEC)
         try:
-            _reserve_up_to(fd, reserve)
+            size = os.fstat(fd).st_size
+            if size + growth <= reserve:
+                _reserve_up_to(fd, reserve)
         finally:
             os.close(fd)
+        if size + growth > reserve:
+            log.info(
+                "checkpoint file %s: the spare (%d bytes) could grow past the %d bytes its "
+                "save may take: laid out anew",
+                temp,
+                size,
+                reserve,
+            )
+            temp.unlink()
+            return None
         f = h5py.File(temp, "r+", locking="best-effort")
         return f, _spare_offsets(h5py, f, node_specs)
     except Exception as exc:
