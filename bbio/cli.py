@@ -263,6 +263,14 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
     done = slurm.epilog(site, job, slurm.epilog_timeout(args.timeout))
     for journal in done.failed:
         print(f"bbio epilog: could not drain {journal}; {done.path} is kept", file=sys.stderr)
+    if done.failed:
+        print(
+            "bbio epilog: fix what is said above, then run the epilog again; a save said "
+            "to be set aside is never drained, and fails every epilog of the job: once "
+            f"you have kept what you need of {done.path} ('bbio ckpt ls --bb-root' on it), "
+            "remove it by hand, then resume the node",
+            file=sys.stderr,
+        )
     if done.removed:
         print(
             "bbio epilog: every checkpoint file queued on this node is on the PFS (each "

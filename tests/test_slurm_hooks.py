@@ -103,6 +103,9 @@ def test_epilog_keeps_what_it_cannot_drain_and_fails(site):
     assert "could not drain" in result.stderr and "is kept" in result.stderr
     assert job_dir.exists() and drain.task_path(journal, 5).exists()
     assert "step 5 set aside: its burst-buffer copy is gone" in result.stderr, result.stderr
+    last_line = result.stderr.strip().splitlines()[-1]  # what the admin does about it
+    assert "set aside is never drained" in last_line and f"{job_dir}" in last_line
+    assert "remove it by hand, then resume the node" in last_line
 
 
 def test_hooks_outside_slurm_say_so():
