@@ -253,6 +253,8 @@ def _convert(name: str, raw: Any, source: str) -> Any:
         return value
     if not isinstance(raw, str):
         raise ConfigError(f"{source}: {name} must be a string, got {raw!r}")
+    if "\0" in raw:  # no path or name holds one: os calls raise ValueError on it
+        raise ConfigError(f"{source}: {name} must not contain a NUL character, got {raw!r}")
     if raw == "":
         raise ConfigError(
             f"{source}: {name} must not be empty",

@@ -68,6 +68,7 @@ def test_virtual_nodes_on_one_machine_need_their_own_directories():
         ({"BBIO_IO_THREADS": " 8 "}, "io_threads must be an integer, got ' 8 '"),
         ({"BBIO_IO_THREADS": "+8"}, "io_threads must be an integer, got '\\+8'"),
         ({"BBIO_IO_THREADS": "-3"}, "io_threads must be at least 1, got -3"),
+        ({"BBIO_BB_ROOT": "/bb\0/{node}"}, "bb_root must not contain a NUL"),  # was ValueError
         # before, too large for C: an OverflowError deep in a copy, naming no setting
         (
             {"BBIO_STAGE_FILES_IN_FLIGHT": "9999999999"},
