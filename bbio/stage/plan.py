@@ -12,7 +12,8 @@ import heapq
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import TypeVar
 
-from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry, Manifest
+from bbio.errors import IntegrityError
+from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry, Manifest, sorted_entries
 
 # What opening, creating and committing one file costs, in bytes of transfer
 # time: it makes many small files count for more than their bytes alone.
@@ -39,6 +40,12 @@ MTIME_INFERENCE_MIN_FILES = 4
 # The attribute of a stage-out's pending record that the manifest written after it names
 # (as its "pending"): a record the manifest names is spent.
 PENDING_TOKEN = "token"
+
+# The attribute of a stage-out's manifest that lists the versions earlier stage-outs wrote (or
+# began to write) at paths this one did not write: left out by its filters, skipped, gone from
+# the burst buffers, written by another job.  Still bbio's for the change check; never checked
+# by ``bbio verify``, which compares the source with the manifest's entries.
+EARLIER = "earlier"
 
 T = TypeVar("T")
 
@@ -546,6 +553,36 @@ def live_pending(manifest: Manifest | None, pending: Manifest | None) -> Manifes
     return pending
 
 
+def earlier_versions(manifest: Manifest | None, source: str = "the manifest") -> list[Entry]:
+    """The versions a stage-out's ``manifest`` keeps under :data:`EARLIER` (none without a
+    manifest, or from a bbio that kept none).  Raises :class:`IntegrityError` naming
+    ``source`` when they are not a list of entries."""
+    if manifest is None:
+        return []
+    found = manifest.attrs.get(EARLIER, [])
+    try:
+        if not isinstance(found, list):
+            raise TypeError(f"a {type(found).__name__}, not a list")
+        return [Entry.from_json(e) for e in found]
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise IntegrityError(
+            f"damaged manifest: its {EARLIER!r} versions are not a list of entries ({exc})",
+            path=source,
+            hint="rerun the stage-out that wrote it, or delete it (bbio then takes the "
+            "files it finds there for yours)",
+        ) from None
+
+
+def carried_versions(recorded: Iterable[Entry], listed: Collection[str]) -> list[Entry]:
+    """Stage-out: the versions of files and symlinks that the destination's records
+    (``recorded``: its manifest's entries and :func:`earlier_versions`, its live pending
+    record's entries) hold at paths the new manifest does not list (``listed``), each
+    once, in path order: the new manifest keeps them under :data:`EARLIER`, so that a
+    later stage-out still knows them for bbio's."""
+    kept = (e for e in recorded if e.kind != DIR and e.path not in listed)
+    return sorted_entries(dict.fromkeys(kept))
+
+
 def created_dirs(
     dirs: Iterable[Entry], destination: Destination, pending: Collection[str]
 ) -> list[Entry]:
@@ -560,6 +597,18 @@ def created_dirs(
         or d.path in destination.replaced
         or (d.path in pending and current[d.path].kind == DIR)
     ]
+
+
+def copy_of(manifest: Manifest | None, source: str) -> bool:
+    """Stage-in: whether the destination's previous ``manifest`` vouches for what the
+    destination holds as copies of ``source`` (resolved), so that a file of its source's
+    size and mtime there is up to date and keeps its recorded CRC32C: a stage-in's of
+    ``source``, or none at all (a first run, or one killed before its manifest, whose
+    committed copies are whole).  A manifest of another source, or of a stage-out, does
+    not: files of the same names, sizes and mtimes may hold other bytes."""
+    if manifest is None:
+        return True
+    return manifest.kind == "stage-in" and manifest.attrs.get("source") == source
 
 
 def bytes_needed(files: Iterable[Entry]) -> int:

@@ -690,22 +690,25 @@ def _commit_symlinks(dst_root: Path, links: Iterable[Entry]) -> int:
     return count
 
 
-def _previous_manifest(
-    comm, sharers, root: Path, changing: Sequence[Entry], what: str
-) -> Manifest | None:
+def _previous_manifest(comm, sharers, root: Path, what: str) -> Manifest | None:
     """Collective over ``comm``: the previous manifest of ``root``, read by the first rank
-    of ``sharers`` (the ranks that share ``root``) and handed to the others; before any
-    of ``changing`` is copied, that rank commits it without their entries and no longer
-    ``complete`` (:func:`files.withdraw_entries`)."""
+    of ``sharers`` (the ranks that share ``root``) and handed to the others."""
     old = None
     with agreed(comm, f"{what}: reading the previous manifest"):
         if sharers.Get_rank() == 0:
             old = files.read_manifest(root)
-    old = sharers.bcast(old, root=0)
+    return sharers.bcast(old, root=0)
+
+
+def _withdraw_changing(
+    comm, sharers, root: Path, old: Manifest | None, changing: Sequence[Entry], what: str
+) -> None:
+    """Collective over ``comm``: before any of ``changing`` is copied, the first rank of
+    ``sharers`` commits the previous manifest ``old`` of ``root`` without their entries
+    and no longer ``complete`` (:func:`files.withdraw_entries`)."""
     with agreed(comm, f"{what}: withdrawing what will change from the previous manifest"):
         if sharers.Get_rank() == 0 and old is not None and changing:
             files.withdraw_entries(root, old, [e.path for e in changing])
-    return old
 
 
 def _crcs_of_unchanged(
@@ -945,9 +948,12 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
         current = plan.not_through_symlinks(
             dest_state(topo.node_comm, dst_root, [e.path for e in mine])
         )
-    todo = plan.to_copy(mine, current, granularity)
-    old = _previous_manifest(comm, topo.node_comm, dst_root, todo, "stage-in")
-    chmod = plan.to_chmod(mine, current, _recorded_modes(old), granularity)
+    old = _previous_manifest(comm, topo.node_comm, dst_root, "stage-in")
+    same_source = plan.copy_of(old, str(src.resolve()))
+    trusted = old if same_source else None  # another source's: its files may hold other bytes
+    todo = plan.to_copy(mine, current if same_source else {}, granularity)
+    _withdraw_changing(comm, topo.node_comm, dst_root, old, todo, "stage-in")
+    chmod = plan.to_chmod(mine, current, _recorded_modes(trusted), granularity)
     with agreed(comm, "stage-in: removing what an interrupted run left"):
         remove_leftovers(topo.node_comm, dst_root, [d.path for d in dirs], _parents([old]))
     with agreed(comm, "stage-in: making way where the source changed kind"):
@@ -981,7 +987,7 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     unchanged = [e for e in mine if e.kind == FILE and e.path not in todo_paths]
     node_crcs = dict(copied.crcs)
     with agreed(comm, "stage-in: checksums of files already in place"):
-        node_crcs.update(_crcs_of_unchanged(comm, src, unchanged, old, granularity_ns=1))
+        node_crcs.update(_crcs_of_unchanged(comm, src, unchanged, trusted, granularity_ns=1))
     as_copied = {**{e.path: e for e in mine}, **copied.entries}  # this node's files
     if verify:
         with agreed(comm, "stage-in: verifying"):
@@ -1126,15 +1132,20 @@ def stage_out(
         topo.free()
 
 
-def _read_destination_records(comm, root: Path) -> tuple[Manifest | None, Manifest | None]:
-    """Collective over ``comm``: the manifest of the stage-out destination ``root`` and its
-    pending record (:data:`PENDING`, None once the manifest was written after it), read
-    by rank 0."""
-    found: tuple[Manifest | None, Manifest | None] = (None, None)
+def _read_destination_records(
+    comm, root: Path
+) -> tuple[Manifest | None, Manifest | None, list[Entry]]:
+    """Collective over ``comm``: the manifest of the stage-out destination ``root``, its
+    pending record (:data:`PENDING`, None once the manifest was written after it) and the
+    earlier versions the manifest keeps (:func:`plan.earlier_versions`), read by rank 0.
+    A damaged one is every rank's :class:`IntegrityError`."""
+    found: tuple[Manifest | None, Manifest | None, list[Entry]] = (None, None, [])
     with agreed(comm, "stage-out: reading the previous manifest"):
         if comm.Get_rank() == 0:
             manifest = files.read_manifest(root)
-            found = (manifest, plan.live_pending(manifest, files.read_manifest(root, PENDING)))
+            pending = plan.live_pending(manifest, files.read_manifest(root, PENDING))
+            earlier = plan.earlier_versions(manifest, str(files.manifest_path(root)))
+            found = (manifest, pending, earlier)
     return comm.bcast(found, root=0)
 
 
@@ -1143,13 +1154,14 @@ def _recorded_versions(
     topo: Topology,
     src_root: Path,
     dst_root: Path,
-    documents: Iterable[Manifest | None],
+    written: Iterable[Entry],
     paths: Sequence[str],
 ) -> tuple[dict[str, list[Entry]], dict[str, list[Entry]]]:
-    """Collective over ``comm``: for ``paths``, the versions stage-out last wrote in
-    ``dst_root`` (those of its ``documents``: manifest, pending record) and those bbio read
-    there (of the stage-in manifest each node's ``src_root`` holds when it was copied from
-    ``dst_root``; one that cannot be read is no record, with a warning)."""
+    """Collective over ``comm``: for ``paths``, the versions stage-out wrote in ``dst_root``
+    (of ``written``: its manifest's entries and earlier versions, its pending record's)
+    and those bbio read there (of the stage-in manifest each node's ``src_root`` holds
+    when it was copied from ``dst_root``; one that cannot be read is no record, with a
+    warning)."""
     wanted = set(paths)
     source = str(dst_root.resolve())
 
@@ -1182,7 +1194,6 @@ def _recorded_versions(
 
     what = "stage-out: reading the manifest of the stage-in each source came from"
     read = agreed_allgather(comm, what, stage_in_record)
-    written = itertools.chain(*(d.entries for d in documents if d is not None))
     return by_path(written), by_path(itertools.chain(*read))
 
 
@@ -1231,17 +1242,23 @@ def _parents(documents: Iterable[Manifest | None]) -> set[str]:
 
 
 def _record_pending(
-    root: Path, old: Manifest | None, pending: Manifest | None, changing: Sequence[Entry]
+    root: Path,
+    old: Manifest | None,
+    earlier: Sequence[Entry],
+    pending: Manifest | None,
+    changing: Sequence[Entry],
 ) -> str:
     """Not collective: before anything under ``root`` changes, add the versions about to be
-    written there (``changing``) and those they replace (``old``'s) to its pending record,
-    so that the next run knows them for bbio's if this one is interrupted; then withdraw
-    their entries from ``old``.  Returns the record's token, for the manifest to name."""
+    written there (``changing``) and those they replace (``old``'s entries and its
+    ``earlier`` versions) to its pending record, so that the next run knows them for
+    bbio's if this one is interrupted; then withdraw their entries from ``old``.  Returns
+    the record's token, for the manifest to name."""
     paths = {e.path for e in changing}
-    earlier = pending.entries if pending is not None else []
-    replaced = [e for e in old.entries if e.path in paths] if old is not None else []
+    begun = pending.entries if pending is not None else []
+    recorded = [*(old.entries if old is not None else []), *earlier]
+    replaced = [e for e in recorded if e.path in paths]
     token = os.urandom(8).hex()
-    versions = list(dict.fromkeys([*earlier, *replaced, *changing]))
+    versions = list(dict.fromkeys([*begun, *replaced, *changing]))
     files.write_manifest(
         root, Manifest("stage-out", versions, {plan.PENDING_TOKEN: token}), PENDING
     )
@@ -1343,9 +1360,14 @@ def _stage_out(
         _probe_destinations(comm, dst_root, outward),
         *(plan.tree_mtime_granularity(node_entries) for node_entries in trees),
     )
-    old, pending = _read_destination_records(comm, dst_root)
+    old, pending, earlier = _read_destination_records(comm, dst_root)
+    recorded = [  # every version stage-out wrote, or began to write, in dst_root
+        *(old.entries if old is not None else []),
+        *earlier,
+        *(pending.entries if pending is not None else []),
+    ]
     written, read = _recorded_versions(
-        comm, topo, src_root, dst_root, (old, pending), plan.to_check(everything, seen, granularity)
+        comm, topo, src_root, dst_root, recorded, plan.to_check(everything, seen, granularity)
     )
     destination = plan.plan_destination(
         everything, seen, written, read, outward, overwrite, granularity
@@ -1387,7 +1409,7 @@ def _stage_out(
                 "free space there, or stage out fewer files (--include/--exclude)",
             )
             if todo_all or created:
-                token = _record_pending(dst_root, old, pending, [*todo_all, *created])
+                token = _record_pending(dst_root, old, earlier, pending, [*todo_all, *created])
             _make_dirs(dst_root, created, None)
             _set_modes(dst_root, chmod)
     comm.Barrier()
@@ -1413,21 +1435,24 @@ def _stage_out(
     with agreed(comm, "stage-out: finishing directories and writing the manifest"):
         if comm.Get_rank() == 0:
             _finish_dirs(dst_root, created)
+            listed = [
+                as_copied[e.path].committed(crcs.get(e.path), chosen[e.path])
+                for e in everything
+                if e.path not in given_up
+            ]
+            carried = plan.carried_versions(recorded, {e.path for e in listed})
             files.write_manifest(
                 dst_root,
                 Manifest(
                     "stage-out",
-                    [
-                        as_copied[e.path].committed(crcs.get(e.path), chosen[e.path])
-                        for e in everything
-                        if e.path not in given_up
-                    ],
+                    listed,
                     {
                         "source": str(src),
                         "nodes": topo.nodes,
                         "verified": verify,
                         "skipped": [dataclasses.asdict(s) for s in skipped],
                         "pending": token,  # the pending record it makes spent
+                        plan.EARLIER: [e.to_json() for e in carried],
                     },
                 ),
             )
