@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from bbio.config import Config, load_config
 from bbio.errors import CLASSES_BY_NAME, BBIOError, BBIOTimeoutError, CollectiveError, UsageError
 
 T = TypeVar("T")
@@ -260,6 +261,16 @@ def agreed(comm, what: str, totals: np.ndarray | None = None) -> Iterator[None]:
     failures = [(r, *o) for r, o in enumerate(outcomes) if o is not None]
     if failures:
         raise agreed_error(failures, what, comm.Get_size()) from local
+
+
+def agreed_config(comm, what: str, config: Config | None) -> Config:
+    """Collective over ``comm``: ``config``, else the settings :func:`load_config` reads.
+    A rank whose settings cannot be read (a bad ``BBIO_*`` variable or config file on
+    one node) makes every rank raise the same :class:`ConfigError`, instead of leaving
+    the other ranks in the call's first collective."""
+    with agreed(comm, f"{what}: reading the settings"):
+        config = config or load_config()
+    return config
 
 
 def agreed_allgather(comm, what: str, fn: Callable[[], T], quiet: bool = False) -> list[T]:

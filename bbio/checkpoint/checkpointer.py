@@ -34,7 +34,7 @@ from bbio.checkpoint import restore as reader
 from bbio.checkpoint.globalview import describe_node_file
 from bbio.checkpoint.mapped import NodeFileMappings, release_deleted
 from bbio.checkpoint.writer import describe, file_attrs, global_shapes, write_node_file
-from bbio.config import Config, load_config
+from bbio.config import Config
 from bbio.errors import (
     BBIOError,
     BBIOTimeoutError,
@@ -46,6 +46,7 @@ from bbio.errors import (
 from bbio.mpi import (
     agreed,
     agreed_allgather,
+    agreed_config,
     agreed_error,
     check_same_arguments,
     fingerprints,
@@ -240,7 +241,7 @@ class Checkpointer:
         backpressure: str | None = None,
         config: Config | None = None,
     ) -> None:
-        config = config or load_config()
+        config = agreed_config(comm, "Checkpointer", config)
         arguments = {"name": name, "bb_root": bb_root, "pfs_root": pfs_root, "keep_bb": keep_bb}
         arguments |= {"keep_pfs": keep_pfs, "backpressure": backpressure, "config": config}
         same_arguments(comm, "Checkpointer", arguments)

@@ -25,7 +25,7 @@ from typing import Any
 
 from bbio import _native
 from bbio.arguments import path_argument
-from bbio.config import Config, load_config
+from bbio.config import Config
 from bbio.errors import (
     AlreadyExistsError,
     BBIOError,
@@ -39,6 +39,7 @@ from bbio.mpi import (
     Topology,
     agreed,
     agreed_allgather,
+    agreed_config,
     allgather_dict,
     deal,
     same_arguments,
@@ -882,7 +883,7 @@ def stage_in(
     ``src``: else every rank raises the same :class:`UsageError`.  A copy that
     ``verify`` finds damaged is deleted, so that a rerun copies it again.
     """
-    config = config or load_config()
+    config = agreed_config(comm, "stage-in", config)
     agree_on_arguments(
         comm,
         "stage-in",
@@ -1096,7 +1097,7 @@ def stage_out(
     ``verify`` finds damaged is kept with its mtime set to 0 (4 s if the source's is
     within 2 s of 0), so that a rerun copies it again.
     """
-    config = config or load_config()
+    config = agreed_config(comm, "stage-out", config)
     agree_on_arguments(
         comm,
         "stage-out",

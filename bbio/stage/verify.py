@@ -15,9 +15,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bbio.arguments import path_argument
-from bbio.config import Config, load_config
+from bbio.config import Config
 from bbio.errors import IntegrityError, NotFoundError, UsageError
-from bbio.mpi import agreed, deal, same_arguments, sum_over_ranks, topology
+from bbio.mpi import agreed, agreed_config, deal, same_arguments, sum_over_ranks, topology
 from bbio.report import format_bytes, format_table
 from bbio.stage.walk import check_source, symlink_target
 from bbio.transfer import files
@@ -120,7 +120,7 @@ def verify(
     copy that filtered or skipped files is checked for what it holds) and every file
     it records no CRC32C for.
     """
-    config = config or load_config()
+    config = agreed_config(comm, "verify", config)
     arguments = {"src": src, "dst": dst, "ranks_per_node": config.ranks_per_node}
     same_arguments(comm, "verify", arguments)
     path_argument("verify: the source", src)
