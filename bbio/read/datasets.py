@@ -32,6 +32,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import itertools
+import math
 import os
 import resource
 import threading
@@ -110,6 +111,8 @@ RESERVED_FILES = 128
 #: the datasets of a rank keep at least this many files open (at most half of RLIMIT_NOFILE)
 MIN_OPEN_FILES = 16
 INT64 = np.iinfo(np.int64)
+#: the largest record (sample of a fixed-size layout) in bytes: offsets stay well within int64
+MAX_RECORD_BYTES = 2**62
 
 
 @dataclasses.dataclass
@@ -301,8 +304,30 @@ def _check_shareable(root: Path, shards: Sequence[ShardInfo]) -> None:
 def _fixed_layout(
     kind: str, path: Path, size: int, base: int, count: int, shape, dtype: np.dtype
 ) -> Layout:
-    record = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    record = math.prod(int(n) for n in shape) * dtype.itemsize  # Python ints: no wrap
+    too_large = "store each sample as several smaller ones (split it along its first axis)"
+    _check_record_bytes(record, path, RECORD_HINT if kind == "raw" else too_large)
     return Layout(kind, [str(path)], [size], FixedExtents(count, base, record), tuple(shape), dtype)
+
+
+#: what to do about a raw file's record that is too large
+RECORD_HINT = (
+    "check record_bytes= (or sample_shape= and dtype=): a sample is one record of the "
+    "file, not the whole file"
+)
+
+
+def _check_record_bytes(record: int, path: Path, hint: str = RECORD_HINT) -> None:
+    """Raise a :class:`UsageError` naming ``path`` (with ``hint``) if a record of ``record``
+    bytes is larger than :data:`MAX_RECORD_BYTES`: its offsets would not stay within
+    int64.  Not collective."""
+    if record > MAX_RECORD_BYTES:
+        raise UsageError(
+            f"a sample of {record} bytes is too large: records may be at most "
+            f"{MAX_RECORD_BYTES} bytes (2**62)",
+            path=path,
+            hint=hint,
+        )
 
 
 def _hdf5_layout(
@@ -428,7 +453,7 @@ def _raw_layout(
     if sample_shape is None:
         sample_shape = (record_bytes,)
     dt = np.dtype(dtype or "u1")
-    record = int(np.prod(sample_shape, dtype=np.int64)) * dt.itemsize
+    record = math.prod(sample_shape) * dt.itemsize  # Python ints: never wraps
     try:
         size = os.path.getsize(read_path)
     except OSError as exc:
@@ -775,6 +800,23 @@ class Dataset:
                 "the dataset is closed", path=self.path, hint="open it again with open_dataset"
             )
 
+    def _check_no_prefetching_loader(self, call: str) -> None:
+        """Raise a :class:`UsageError` if a prefetching loader of this dataset is
+        mid-iteration (:attr:`Loader.iterating`): its background thread runs collectives on
+        this dataset's communicator, which a direct read would interleave with (raw MPI
+        errors or a hang).  That state is the same on every rank, which all iterate alike,
+        so every rank raises alike.  Not collective.  (The loaders' own reads call
+        :meth:`_read_planned`, which does not check.)"""
+        if any(loader.prefetch and loader.iterating for loader in list(self.loaders)):
+            raise UsageError(
+                f"{call} of the dataset {self.path} while a prefetching Loader of it is "
+                "mid-iteration (started, neither closed nor at its end): its background "
+                "thread reads over the dataset's communicator, and the reads would mix",
+                path=self.path,
+                hint="close the loader (or iterate it to its end) before reading the "
+                "dataset directly",
+            )
+
     def read(self, indices: Sequence[int] | np.ndarray) -> np.ndarray | list[np.ndarray]:
         """Collective over the dataset's communicator: each rank passes its own sample ids
         and gets its samples in that order.
@@ -786,8 +828,11 @@ class Dataset:
         integers raise the same :class:`UsageError` on every rank.  When every
         sample is large (``read_direct_bytes``), each rank reads its own and the
         ranks only agree on the outcome; otherwise the requests are exchanged first.
+        While a prefetching :class:`Loader` of the dataset is mid-iteration, every rank
+        raises the same :class:`UsageError` (before any collective).
         """
         self.check_open()
+        self._check_no_prefetching_loader("read")
         if self.reads_alone:
             totals = np.zeros(4, dtype=np.int64)  # samples, requests, bytes read, bytes needed
             out = self._read_direct(indices, totals)
@@ -815,8 +860,12 @@ class Dataset:
         every rank).  Each round is one ``Ialltoallw`` next to an
         ``Iallgather`` of every aggregator's status, so a failed read raises the
         same error on every rank; on the direct path one agreement does the same.
+        ``requests`` must be a list (or another sequence) or a NumPy array: anything
+        else (None, a generator, a dict, a set) is a :class:`UsageError` on every rank,
+        as is a call while a prefetching :class:`Loader` of the dataset is mid-iteration.
         """
         self.check_open()
+        self._check_no_prefetching_loader("read_planned")
         checked: list[np.ndarray] = []
 
         def check() -> str:
@@ -840,6 +889,16 @@ class Dataset:
         """``requests`` (one sequence of ids per rank) as int64 arrays; a UsageError
         unless there is one per rank and every id is in range.  Not collective."""
         size = self.comm.Get_size()
+        listed = isinstance(requests, Sequence) and not isinstance(requests, (str, bytes))
+        if not listed and not (isinstance(requests, np.ndarray) and requests.ndim >= 1):
+            given = "a 0-d array" if isinstance(requests, np.ndarray) else type(requests).__name__
+            raise UsageError(
+                f"read_planned needs every rank's ids as one sequence per rank ({size}), "
+                f"in rank order, not {given}",
+                path=self.path,
+                hint="pass a list or numpy array of requests, such as [ids_of_rank_0, "
+                "ids_of_rank_1, ...], the same on every rank",
+            )
         if len(requests) != size:
             raise UsageError(
                 f"read_planned needs one list of ids per rank ({size}), got {len(requests)}",
@@ -1236,14 +1295,17 @@ def open_dataset(
     ``dtype=``, after ``header_bytes``), or a directory of files (one sample
     per file).  Files staged into this node's burst buffer are read there.
     Every rank must pass the same arguments and the same read settings of
-    ``config``.  Errors (different or invalid arguments, a missing path, an
-    unsupported layout) are raised alike on every rank.
+    ``config`` (without ``config``, each rank loads its own with
+    :func:`~bbio.config.load_config`, after the first collective).  Errors
+    (different or invalid arguments or settings, a missing path, an unsupported
+    layout) are raised alike on every rank.
     """
-    config = config or load_config()
-    private = comm.Dup()
+    private = comm.Dup()  # the first collective: nothing before it may fail on one rank only
     try:
         arguments: dict[str, Any] = {}
         with agreed(private, "open_dataset"):
+            # a bad setting in one node's environment or site file: an error on every rank
+            config = config or load_config()
             arguments = _open_arguments(
                 path, dataset, record_bytes, sample_shape, dtype, header_bytes
             )
@@ -1286,6 +1348,11 @@ def _open_arguments(path, dataset, record_bytes, sample_shape, dtype, header_byt
         if sample_shape is None:
             raise UsageError("dtype= goes with sample_shape=", path=path)
         dtype = dt
+    if record_bytes is not None:
+        _check_record_bytes(record_bytes, path)
+    elif sample_shape is not None:
+        itemsize = 1 if dtype is None else dtype.itemsize  # without dtype=: bytes
+        _check_record_bytes(math.prod(sample_shape) * itemsize, path)
     return {
         "path": path,
         "dataset": dataset,

@@ -9,8 +9,9 @@ length).  The plan:
    and every aggregator when only the PFS has it;
 2. within a group, sorts the distinct extents by (file, offset), splits the
    group's accessed byte range into one contiguous *file domain* per
-   aggregator of the group, aligned to ``stripe``, and gives each extent to the
-   aggregator whose domain holds its start;
+   aggregator of the group, every edge on a ``stripe`` boundary (the range's
+   start rounded down to one, each domain a multiple of it), and gives each
+   extent to the aggregator whose domain holds its start;
 3. merges an aggregator's neighbouring extents into one range while the hole
    between them is at most ``max_hole`` bytes and at most ``hole_fraction``
    (10%) of the two neighbours' mean length: the holes then add at most 10%
@@ -210,7 +211,9 @@ def make_plan(
     g_u, s_u, e_u = g_s[distinct], s_s[distinct], e_s[distinct]
     f_u = files[order][distinct]
 
-    # file domains: each group's accessed span split evenly among its aggregators;
+    # file domains: each group's accessed span, from the stripe boundary at or before its
+    # first byte (files start on stripe boundaries of the byte space), split evenly among
+    # its aggregators into stripe multiples, so every domain's edge is a stripe boundary;
     # an extent goes to the aggregator whose domain holds its start
     agg_nodes = nodes[np.asarray(aggregators, dtype=np.int64)]
     a_u = np.zeros(s_u.size, dtype=np.int64)
@@ -218,6 +221,7 @@ def make_plan(
         members = np.flatnonzero(agg_nodes == g) if g != PFS_ONLY else np.arange(agg_nodes.size)
         sel = np.flatnonzero(g_u == g)
         lo, hi = int(s_u[sel].min()), int(e_u[sel].max())
+        lo -= lo % stripe
         domain = -(-max(hi - lo, 1) // members.size)
         domain = -(-domain // stripe) * stripe
         a_u[sel] = members[np.minimum((s_u[sel] - lo) // domain, members.size - 1)]
