@@ -44,3 +44,8 @@ def test_staging(comm, shared_tmp, bad_setting_on_the_last_rank, direction):
     (shared_tmp / "src").mkdir(exist_ok=True)
     stage = getattr(bbio, direction)
     raises_everywhere(lambda: stage(comm, shared_tmp / "src", shared_tmp / "dst"))
+
+
+def test_pack(comm, shared_tmp, bad_setting_on_the_last_rank):
+    (shared_tmp / "src").mkdir(exist_ok=True)
+    raises_everywhere(lambda: bbio.pack(comm, shared_tmp / "src", shared_tmp / "packed"))

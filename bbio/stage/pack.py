@@ -33,7 +33,7 @@ import numpy as np
 from bbio import _native
 from bbio._version import __version__
 from bbio.arguments import integer_argument
-from bbio.config import Config, load_config
+from bbio.config import Config
 from bbio.errors import (
     AlreadyExistsError,
     DependencyError,
@@ -42,7 +42,7 @@ from bbio.errors import (
     NotFoundError,
     from_oserror,
 )
-from bbio.mpi import agreed, deal, topology
+from bbio.mpi import agreed, agreed_config, deal, topology
 from bbio.report import format_bytes, format_table
 from bbio.stage.plan import OPEN_FILES_AT_ONCE, group_by_size
 from bbio.stage.run import agree_on_arguments
@@ -317,21 +317,17 @@ def _reserve(f, nbytes: int) -> None:
     _native.preallocate(f.id.get_vfd_handle(), nbytes, at_least=0)
 
 
-def _check_capacity(
-    out: Path, shards: Sequence[Sequence[Entry]], recorded: Collection[str] | None = None
-) -> None:
+def _check_capacity(out: Path, shards: Sequence[Sequence[Entry]]) -> None:
     """Raise :class:`NoSpaceError` unless ``out`` has room for ``shards``, written in any
     order, each after the shard of its name that an earlier pack left was deleted
-    (:func:`_write_shard`): what each needs beyond that one's bytes.  Only the shards in
-    ``recorded`` (:func:`recorded_shards`; None: any there) count as replaced.  Not
-    collective."""
+    (:func:`_write_shard`): what each needs beyond that one's bytes.  Every shard in
+    ``out`` is an earlier pack's (:func:`_refuse_foreign_shards` refused others first).
+    Not collective."""
     needed = 0
     for index, group in enumerate(shards):
         replaced = 0
-        name = shard_name(index)
-        if recorded is None or name in recorded:
-            with contextlib.suppress(OSError):
-                replaced = (out / name).stat().st_size
+        with contextlib.suppress(OSError):
+            replaced = (out / shard_name(index)).stat().st_size
         needed += max(0, shard_bytes(group) - replaced)
     free = files.free_bytes(out)
     if needed > free:
@@ -433,9 +429,10 @@ def pack(
     Shards hold files in path order, at most ``shard_size`` bytes each; the
     ranks write different shards.  ``out/bbio-pack.json`` is written last; an
     earlier pack's index in ``out`` is removed first (while this runs, and if it
-    fails, ``out`` is no pack), and its shards beyond the new ones after.  Only
-    shards an earlier pack recorded are replaced or removed (:func:`recorded_shards`):
-    an ``out`` holding other ``shard-*.h5`` is refused before the source is walked.
+    fails, ``out`` is no pack), and the shards it recorded that the new index does not
+    list after.  Only shards an earlier pack recorded are replaced or removed
+    (:func:`recorded_shards`): an ``out`` holding other ``shard-*.h5`` is refused, before
+    the source is walked.
     Every rank must pass the same arguments (paths, lists of globs, a ``shard_size`` of
     at least 1 byte); ``out`` (one directory, no ``{node}``) must not lie inside ``src``
     and needs room for the shards, which is checked first: else every rank raises the
@@ -443,7 +440,7 @@ def pack(
     Only regular files are packed: the summary names the paths that are not
     (``not_packed``, and a warning).
     """
-    config = config or load_config()
+    config = agreed_config(comm, "pack", config)
     agree_on_arguments(
         comm,
         "pack",
@@ -481,8 +478,7 @@ def pack(
             except OSError as exc:
                 raise from_oserror(exc, "prepare the output directory", out) from None
             _refuse_foreign_shards(out, recorded)  # again: files may have come during the walk
-            # before the old index goes: a refused pack keeps it
-            _check_capacity(out, shards, recorded)
+            _check_capacity(out, shards)  # before the old index goes: a refused pack keeps it
             # the marker lists every shard this pack may write or remove
             new_names = {shard_name(index) for index in range(len(shards))}
             marker = {"time": time.time(), "shards": sorted(recorded | new_names)}

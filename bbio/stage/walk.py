@@ -69,8 +69,8 @@ def selected(path: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
     """Whether ``path`` passes the filters: matches an include (if any) and no exclude.
 
     Patterns are shell globs on the path relative to the source; ``*`` also
-    matches ``/``.  For a path that is not a directory, whose directories the walk
-    entered (a directory is left out by :func:`excluded_dir`, never by an include).
+    matches ``/``.  Applied to what is not a directory: a directory is left out by
+    :func:`excluded_dir` alone (never by an include).
     """
     if include and not any(fnmatch.fnmatchcase(path, p) for p in include):
         return False
