@@ -907,8 +907,12 @@ struct batch {
     int64_t failures; /* advanced atomically */
 };
 
-/* Read up to len bytes at off into buf, short only at end of file; -errno. */
-static int64_t pread_full(int fd, unsigned char *buf, int64_t len, int64_t off)
+/* Read up to len bytes at off into buf, short only at end of file; -errno.  With
+ * aligned (an aligned range, maybe through O_DIRECT), a read that ends off a page
+ * boundary is the end of the file: reading on from there would be unaligned, which
+ * kernels before 5.5 refuse (EINVAL) and pread_retry would answer by dropping O_DIRECT
+ * from the descriptor for good. */
+static int64_t pread_full(int fd, unsigned char *buf, int64_t len, int64_t off, int aligned)
 {
     int64_t done = 0;
     while (done < len) {
@@ -918,6 +922,8 @@ static int64_t pread_full(int fd, unsigned char *buf, int64_t len, int64_t off)
         if (n == 0)
             break;
         done += n;
+        if (aligned && done % ALIGNMENT != 0)
+            break;
     }
     return done;
 }
@@ -983,7 +989,7 @@ static int64_t pread_aligned(int fd, unsigned char *dst, int64_t want, int64_t o
     unsigned char *tmp = bounce((size_t)(end - start));
     if (tmp == NULL)
         return -ENOMEM;
-    int64_t got = pread_full(fd, tmp, end - start, start);
+    int64_t got = pread_full(fd, tmp, end - start, start, 1);
     if (got < 0)
         return got;
     int64_t avail = got - (off - start);
@@ -1006,7 +1012,7 @@ static void read_one(struct batch *b, int64_t i)
     }
     int64_t got = b->aligned && b->aligned[i]
                       ? pread_aligned(b->fds[i], dst, want, b->offsets[i])
-                      : pread_full(b->fds[i], dst, want, b->offsets[i]);
+                      : pread_full(b->fds[i], dst, want, b->offsets[i], 0);
     if (got < 0)
         __atomic_fetch_add(&b->failures, 1, __ATOMIC_RELAXED);
     b->results[i] = got;

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -764,3 +765,66 @@ def test_open_source_and_copy_piece_treat_a_changed_source_as_changed(tmp_path):
     fd = open_source(tmp_path / "target")
     assert fd is not None
     os.close(fd)
+
+
+# Linux before 5.5 (fs/direct-io.c): an O_DIRECT read at an offset or into a buffer off a
+# 512-byte boundary is EINVAL, checked before the end of the file.  Preloaded into a child.
+PRE_5_5_DIRECT_IO = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <unistd.h>
+ssize_t pread64(int fd, void *buf, size_t n, off_t off)
+{
+    static ssize_t (*real)(int, void *, size_t, off_t);
+    if (!real)
+        real = (ssize_t (*)(int, void *, size_t, off_t))dlsym(RTLD_NEXT, "pread64");
+    int fl = fcntl(fd, F_GETFL);
+    if (fl >= 0 && (fl & O_DIRECT) && (((uintptr_t)buf | (uintptr_t)off) & 511)) {
+        errno = EINVAL;
+        return -1;
+    }
+    return real(fd, buf, n, off);
+}
+ssize_t pread(int fd, void *buf, size_t n, off_t off) __attribute__((alias("pread64")));
+"""
+
+READ_TO_THE_END = """
+import fcntl, os, sys
+from bbio import _native
+fd = _native.open_direct(sys.argv[1], os.O_RDONLY)
+if fd is None:
+    print("no O_DIRECT here")
+    raise SystemExit(0)
+out = _native.aligned_buffer(8192)
+got = _native.pread_batch([fd], [4096], [8192], out, aligned=[True], threads=1)
+data = open(sys.argv[1], "rb").read()
+direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+print([int(n) for n in got], bytes(out[:5904]) == data[4096:], direct)
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_an_aligned_read_to_the_end_of_a_file_keeps_o_direct_on_older_kernels(tmp_path):
+    """A read of whole pages past the end of a file came back short, and the read of the
+    rest began off a page boundary: kernels before 5.5 refuse that (EINVAL), and the
+    descriptor, which datasets keep open, lost O_DIRECT for good."""
+    shim = tmp_path / "pre55.so"
+    (tmp_path / "pre55.c").write_text(PRE_5_5_DIRECT_IO)
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "pre55.c"), "-ldl"], check=True
+    )
+    data = write_file(tmp_path / "ends-mid-page.bin", random_bytes(10_000, seed=3))
+    env = {**os.environ, "LD_PRELOAD": str(shim)}
+    child = subprocess.run(
+        [sys.executable, "-c", READ_TO_THE_END, str(data)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    if child.stdout.strip() == "no O_DIRECT here":
+        pytest.skip(f"{tmp_path}'s file system takes no O_DIRECT")
+    assert child.stdout.split() == ["[5904]", "True", "True"], child.stdout + child.stderr
