@@ -6,7 +6,9 @@ edit.  Pure tests of the merge, then MPI tests on 2 or 4 ranks in 2 virtual node
 
 from __future__ import annotations
 
-import threading
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from bbio.errors import IntegrityError
 from bbio.stage import plan
 from bbio.transfer import files
 from bbio.transfer.manifest import DIR, FILE, SYMLINK, Entry, Manifest
-from tests.test_stage import _keep_changing, files_under, same_on_all_ranks, two_nodes
+from tests.test_stage import files_under, same_on_all_ranks, two_nodes
 from tests.test_stage_out import PENDING, node_leader, write_on_every_node
 
 LATER = 2 * 10**18
@@ -148,19 +150,34 @@ def test_a_file_gone_from_the_burst_buffer_for_a_run_keeps_its_record(comm, shar
     assert files_under(pfs) == {"log.txt": b"epoch 1, annotated", "w.bin": b"w2"}
 
 
+KEEP_CHANGING = """
+import os, sys
+path, counter = sys.argv[1], 0
+while True:
+    counter += 1
+    with open(path, "ab") as f:
+        f.write(b"+")
+    os.utime(path, ns=(counter, counter))
+"""
+
+
 def stage_out_while_changing(comm, hot: Path, stage_out) -> None:
-    """Collective: run ``stage_out()`` while rank 0 keeps changing ``hot`` in a thread."""
-    stop, writer = threading.Event(), None
+    """Collective: run ``stage_out()`` while a process of rank 0's keeps changing ``hot``
+    (size and mtime) as fast as it can: every copy of it sees a change (a thread of the
+    rank's, slowed by its interpreter lock, left some copies whole)."""
+    writer = None
     if comm.Get_rank() == 0:
-        writer = threading.Thread(target=_keep_changing, args=(hot, stop, None))
-        writer.start()
+        writer = subprocess.Popen([sys.executable, "-c", KEEP_CHANGING, str(hot)])
+        started = hot.stat().st_mtime_ns
+        while hot.stat().st_mtime_ns == started:  # it runs
+            time.sleep(0.001)
     comm.Barrier()
     try:
         stage_out()
     finally:
-        stop.set()
         if writer is not None:
-            writer.join()
+            writer.kill()
+            writer.wait()
         comm.Barrier()
 
 
