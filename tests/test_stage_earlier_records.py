@@ -161,8 +161,8 @@ while True:
 """
 
 
-def stage_out_while_changing(comm, hot: Path, stage_out) -> None:
-    """Collective: run ``stage_out()`` while a process of rank 0's keeps changing ``hot``
+def while_changing(comm, hot: Path, call) -> None:
+    """Collective: run ``call()`` while a process of rank 0's keeps changing ``hot``
     (size and mtime) as fast as it can: every copy of it sees a change (a thread of the
     rank's, slowed by its interpreter lock, left some copies whole)."""
     writer = None
@@ -173,7 +173,7 @@ def stage_out_while_changing(comm, hot: Path, stage_out) -> None:
             time.sleep(0.001)
     comm.Barrier()
     try:
-        stage_out()
+        call()
     finally:
         if writer is not None:
             writer.kill()
@@ -198,7 +198,7 @@ def test_a_file_a_stage_out_skipped_keeps_its_record(comm, shared_tmp):
         summary = bbio.stage_out(comm, bb, pfs, config=config, skip_unreadable=True)
         assert [s.path for s in summary.skipped] == ["hot.log"]
 
-    stage_out_while_changing(comm, hot, skipping)
+    while_changing(comm, hot, skipping)
     assert "hot.log" not in files.read_manifest(pfs).by_path()
     edit_on_the_pfs(comm, pfs / "hot.log", b"start, annotated")
     assert refused_paths(comm, bb, pfs, config) == "hot.log"
@@ -225,7 +225,7 @@ def test_what_a_failed_stage_out_was_replacing_is_kept_by_a_filtered_one(comm, s
         with pytest.raises(bbio.IntegrityError, match=r"kept changing .*: hot\.log"):
             bbio.stage_out(comm, bb, pfs, config=config)
 
-    stage_out_while_changing(comm, hot, failing)
+    while_changing(comm, hot, failing)
     assert (pfs / PENDING).exists() and (pfs / "a.txt").read_bytes() == b"a v2"
     write_on_every_node(comm, shared_tmp, "out", "new/n.txt", b"n", LATER)
     assert bbio.stage_out(comm, bb, pfs, config=config, include=["new/*"]).files == 1

@@ -6,7 +6,6 @@ rule, then MPI tests on 2 or 4 ranks in 2 virtual nodes (one on a single node)."
 from __future__ import annotations
 
 import os
-import threading
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,8 @@ from bbio.config import Config
 from bbio.stage import plan, registry
 from bbio.transfer import files
 from bbio.transfer.manifest import FILE, Entry, Manifest
-from tests.test_stage import _keep_changing, files_under, two_nodes
+from tests.test_stage import files_under, two_nodes
+from tests.test_stage_earlier_records import while_changing
 
 MTIME = 315_532_800 * 10**9  # 1980-01-01, as a reproducible archive unpacks them
 NAMES = ("a.bin", "b.bin", "z.bin")
@@ -86,19 +86,12 @@ def test_the_rerun_of_a_failed_stage_in_of_another_source_copies_it_anew(comm, s
     make_version(comm, v2, 2, names)
     dst = shared_tmp / "bb" / "{node}" / "data"
     bbio.stage_in(comm, v1, dst, config=config)
-    stop, writer = threading.Event(), None
-    if comm.Get_rank() == 0:
-        writer = threading.Thread(target=_keep_changing, args=(v2 / "hot.log", stop, None))
-        writer.start()
-    comm.Barrier()
-    try:
+
+    def failing() -> None:
         with pytest.raises(bbio.IntegrityError, match=r"kept changing .*: hot\.log"):
             bbio.stage_in(comm, v2, dst, config=config)
-    finally:
-        stop.set()
-        if writer is not None:
-            writer.join()
-        comm.Barrier()
+
+    while_changing(comm, v2 / "hot.log", failing)
     for copy in node_copies(shared_tmp, "data").values():
         assert copy["a.bin"] == bytes([2]) * 4096 and copy["z.bin"] == bytes([1]) * 4096
     bbio.stage_in(comm, v2, dst, verify=True, config=config)
