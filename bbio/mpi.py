@@ -264,12 +264,26 @@ def agreed(comm, what: str, totals: np.ndarray | None = None) -> Iterator[None]:
 
 
 def agreed_config(comm, what: str, config: Config | None) -> Config:
-    """Collective over ``comm``: ``config``, else the settings :func:`load_config` reads.
-    A rank whose settings cannot be read (a bad ``BBIO_*`` variable or config file on
-    one node) makes every rank raise the same :class:`ConfigError`, instead of leaving
-    the other ranks in the call's first collective."""
-    with agreed(comm, f"{what}: reading the settings"):
-        config = config or load_config()
+    """Collective over ``comm``, the first step of the collective call ``what``:
+    ``config``, else the settings :func:`load_config` reads.  A rank whose settings
+    cannot be read (a bad ``BBIO_*`` variable or config file on one node) makes every
+    rank raise the same :class:`ConfigError`, instead of leaving the other ranks in the
+    call's first collective; a rank in another call makes every rank raise the
+    :class:`UsageError` of :func:`check_same_call`."""
+    failure = None
+    if config is None:
+        try:
+            config = load_config()
+        except Exception as exc:  # every rank raises it, below
+            failure = describe_error(exc)
+    failures = [
+        (rank, *theirs)
+        for rank, theirs in enumerate(gather_in_call(comm, what, failure))
+        if theirs is not None
+    ]
+    if failures:
+        raise agreed_error(failures, f"{what}: reading the settings", comm.Get_size())
+    assert config is not None
     return config
 
 

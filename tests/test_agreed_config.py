@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import bbio
-from bbio.errors import ConfigError
+from bbio.errors import ConfigError, UsageError
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
@@ -49,3 +49,15 @@ def test_staging(comm, shared_tmp, bad_setting_on_the_last_rank, direction):
 def test_pack(comm, shared_tmp, bad_setting_on_the_last_rank):
     (shared_tmp / "src").mkdir(exist_ok=True)
     raises_everywhere(lambda: bbio.pack(comm, shared_tmp / "src", shared_tmp / "packed"))
+
+
+def test_a_rank_in_another_call_makes_every_rank_say_so(comm, shared_tmp):
+    """The settings are read as each call begins, in the check that every rank is in
+    that call: a rank in ``verify`` while the others make a Checkpointer on the same
+    communicator is every rank's UsageError."""
+    (shared_tmp / "src").mkdir(exist_ok=True)
+    with pytest.raises(UsageError, match="different collective calls: rank 0 in Checkpointer"):
+        if comm.Get_rank() == 0:
+            bbio.Checkpointer(comm, "run", bb_root=shared_tmp / "bb", pfs_root=shared_tmp / "pfs")
+        else:
+            bbio.verify(comm, shared_tmp / "src", shared_tmp / "dst")
