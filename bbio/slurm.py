@@ -368,14 +368,14 @@ def epilog(site: Site, job: Job, timeout: float | None) -> Epilog:
     if not os.path.lexists(path):
         return Epilog(path, [], False)
     check_parents(path)
-    _detach_mounts_below(path, unreachable_only=True)  # nothing there to drain or delete
+    _detach_mounts_below(path)  # not the job's burst buffer: nothing to drain or delete there
     journals = journals_under(path)
     if journals and _short_of_room(path):
         _make_room_as(job, path, journals, deadline)
     failed = _finish_as(job, journals, timeout, deadline)
     if failed:
         return Epilog(path, failed, False)
-    _detach_mounts_below(path)
+    _detach_mounts_below(path)  # again: what another job of the user mounted meanwhile
     _remove_tree(path)
     return Epilog(path, [], True)
 
@@ -395,37 +395,59 @@ def mounts_below(root: Path, mountinfo: bytes) -> list[Path]:
     return sorted(below, key=lambda path: len(path.parts), reverse=True)
 
 
-def _detach_mounts_below(job_root: Path, unreachable_only: bool = False) -> None:
+def _detach_mounts_below(job_root: Path) -> None:
     """Lazily unmount (``MNT_DETACH``) every file system the job left mounted in its
-    directory, deepest first, so that removing the directory deletes nothing on
-    them (a user's FUSE mount, dead or alive) and does not fail on their mount
-    points; with ``unreachable_only``, only those whose mount point cannot be
-    looked at (a FUSE mount whose process died: ``find`` failed on it, and the
-    epilog with it).  A mount point whose parent is no longer the path the kernel
-    gave (a symlink swapped in) is refused, not followed."""
+    directory, deepest first, so that neither making room nor removing the directory
+    deletes anything on them (a user's FUSE mount, dead or alive), the search for
+    journals does not fail on a dead one, and the removal does not fail on their mount
+    points.  Each mount point is reached from the job's directory one component at a
+    time without following a symlink (the job's user may still rename and swap them,
+    from another job on the node): one that moved is refused, not followed."""
+    real_root = Path(os.path.realpath(job_root))  # its parents are root's: mountinfo's path
     with open("/proc/self/mountinfo", "rb") as listing:
         mountinfo = listing.read()
     libc = ctypes.CDLL(None, use_errno=True)
-    for point in mounts_below(job_root, mountinfo):
-        if unreachable_only and _reachable(point):
-            continue
-        if os.path.realpath(point.parent) != os.fspath(point.parent):
+    for point in mounts_below(real_root, mountinfo):
+        try:
+            parent = _open_beneath(real_root, point.parent.relative_to(real_root).parts)
+        except OSError:
             raise ConfigError(
-                "a file system is mounted in the job's directory under a path that now "
-                "leads elsewhere",
+                "a file system is mounted in the job's directory under a path that changed "
+                "while the epilog ran",
                 path=point,
                 hint="unmount it by hand (umount -l), then run the epilog again and resume "
                 "the node",
-            )
-        if libc.umount2(os.fsencode(point), MNT_DETACH | UMOUNT_NOFOLLOW) != 0:
-            code = ctypes.get_errno()
-            raise from_oserror(
-                OSError(code, os.strerror(code)),
-                "unmount what the job left mounted in its burst-buffer directory",
-                point,
-                hint="unmount it by hand (umount -l), then run the epilog again and resume "
-                "the node",
-            )
+            ) from None
+        try:
+            beneath = f"/proc/self/fd/{parent}/{point.name}"  # no path lookup above it
+            if libc.umount2(os.fsencode(beneath), MNT_DETACH | UMOUNT_NOFOLLOW) != 0:
+                code = ctypes.get_errno()
+                if code not in (errno.EINVAL, errno.ENOENT):  # else unmounted meanwhile
+                    raise from_oserror(
+                        OSError(code, os.strerror(code)),
+                        "unmount what the job left mounted in its burst-buffer directory",
+                        point,
+                        hint="unmount it by hand (umount -l), then run the epilog again and "
+                        "resume the node",
+                    )
+        finally:
+            os.close(parent)
+
+
+def _open_beneath(root: Path, parts: tuple[str, ...]) -> int:
+    """A descriptor (``O_PATH``) of the directory ``root``/``parts``, each component
+    opened without following a symlink; OSError if one is not a directory."""
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(root, flags)
+    try:
+        for part in parts:
+            inner = os.open(part, flags, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def _short_of_room(path: Path) -> bool:
@@ -457,14 +479,6 @@ def _make_room_as(job: Job, job_root: Path, journals: list[Path], deadline: floa
             )
             return
         child.join(min(left, WAIT_SLICE_SECONDS))
-
-
-def _reachable(path: Path) -> bool:
-    try:
-        os.lstat(path)
-    except OSError:
-        return False
-    return True
 
 
 def _make_room_in_child(job: Job, job_root: Path, journals: list[Path]) -> None:

@@ -474,11 +474,20 @@ def test_mounts_below_a_job_directory_are_read_from_mountinfo_deepest_first():
 
 
 @as_root
-def test_an_epilog_unmounts_what_the_job_left_mounted_and_deletes_nothing_on_it(site):
+@pytest.mark.parametrize("through_a_symlink", [False, True])
+def test_an_epilog_unmounts_what_the_job_left_mounted_and_deletes_nothing_on_it(
+    site, through_a_symlink
+):
     """A file system left mounted in the job's directory (a user's FUSE mount): the
     removal deleted the files on it, then failed on its mount point (busy), and Slurm
-    drained the node."""
-    env = hook_env(site)
+    drained the node.  Also with ``bb_root`` through a symlink of root's (as
+    ``/local -> /mnt/nvme``), where the kernel lists the mount under the real path."""
+    bb_root = None
+    if through_a_symlink:
+        (site / "local").mkdir(exist_ok=True)
+        (site / "link").symlink_to(site / "local")
+        bb_root = str(site / "link" / "{user}" / "bbio-{job}" / "{node}")
+    env = hook_env(site, bb_root=bb_root)
     assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
     job_dir = site / "local" / "nobody" / "bbio-4242"
     mount_point = job_dir / "0" / "mounted data"
