@@ -29,6 +29,8 @@ def test_only_a_stage_in_of_the_same_source_vouches_for_the_copy():
     assert not plan.copy_of(Manifest("stage-in", entries, {"source": "/pfs/v1"}), "/pfs/v2")
     assert not plan.copy_of(Manifest("stage-in", entries), "/pfs/v2")
     assert not plan.copy_of(Manifest("stage-out", entries, {"source": "/pfs/v2"}), "/pfs/v2")
+    mixed = {"source": "/pfs/v1", plan.MIXED_SOURCES: True}  # a switch to v2 that failed
+    assert not plan.copy_of(Manifest("stage-in", entries, mixed), "/pfs/v1")
 
 
 def make_version(comm, root: Path, byte: int, names=NAMES) -> None:
@@ -75,10 +77,14 @@ def test_a_stage_in_of_another_source_into_a_copy_copies_it_anew(comm, shared_tm
 
 
 @pytest.mark.mpi(min_size=2)
-def test_the_rerun_of_a_failed_stage_in_of_another_source_copies_it_anew(comm, shared_tmp):
+@pytest.mark.parametrize("back_to_the_first", [False, True], ids=["v2-again", "v1-again"])
+def test_the_rerun_of_a_failed_stage_in_of_another_source_copies_it_anew(
+    comm, shared_tmp, back_to_the_first
+):
     """The stage-in of v2 fails on hot.log (it keeps changing) after committing a.bin and
-    before z.bin (one file per round): z.bin still holds v1's bytes, so the rerun may not
-    take it for v2's either."""
+    before z.bin (one file per round): z.bin still holds v1's bytes, so a rerun of v2 may
+    not take it for v2's, nor a rerun of v1 take a.bin, now v2's, for v1's (before, the
+    manifest left still named v1, and vouched for it)."""
     config = two_nodes(comm, shared_tmp, stage_round_bytes=1)
     v1, v2 = shared_tmp / "pfs" / "v1", shared_tmp / "pfs" / "v2"
     names = ("a.bin", "hot.log", "z.bin")
@@ -94,9 +100,11 @@ def test_the_rerun_of_a_failed_stage_in_of_another_source_copies_it_anew(comm, s
     while_changing(comm, v2 / "hot.log", failing)
     for copy in node_copies(shared_tmp, "data").values():
         assert copy["a.bin"] == bytes([2]) * 4096 and copy["z.bin"] == bytes([1]) * 4096
-    bbio.stage_in(comm, v2, dst, verify=True, config=config)
-    expected = {name: (v2 / name).read_bytes() for name in names}
+    return_to = v1 if back_to_the_first else v2
+    bbio.stage_in(comm, return_to, dst, config=config)
+    expected = {name: (return_to / name).read_bytes() for name in names}
     assert node_copies(shared_tmp, "data") == {"0": expected, "1": expected}
+    assert bbio.verify(comm, return_to, dst, config=config).problems == []
 
 
 @pytest.mark.mpi(min_size=2)

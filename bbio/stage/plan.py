@@ -47,6 +47,10 @@ PENDING_TOKEN = "token"
 # by ``bbio verify``, which compares the source with the manifest's entries.
 EARLIER = "earlier"
 
+# The attribute of the manifest a stage-in of another source leaves while it copies (and if
+# it fails): the destination then holds files of both sources, and vouches for neither.
+MIXED_SOURCES = "mixed_sources"
+
 T = TypeVar("T")
 
 
@@ -605,9 +609,13 @@ def copy_of(manifest: Manifest | None, source: str) -> bool:
     size and mtime there is up to date and keeps its recorded CRC32C: a stage-in's of
     ``source``, or none at all (a first run, or one killed before its manifest, whose
     committed copies are whole).  A manifest of another source, or of a stage-out, does
-    not: files of the same names, sizes and mtimes may hold other bytes."""
+    not: files of the same names, sizes and mtimes may hold other bytes; nor one left by
+    a stage-in of another source that did not finish (:data:`MIXED_SOURCES`), whatever
+    source it names."""
     if manifest is None:
         return True
+    if manifest.attrs.get(MIXED_SOURCES):
+        return False
     return manifest.kind == "stage-in" and manifest.attrs.get("source") == source
 
 

@@ -953,6 +953,8 @@ def _stage_in(comm, topo, src, dst, mode, verify, include, exclude, skip_unreada
     same_source = plan.copy_of(old, str(src.resolve()))
     trusted = old if same_source else None  # another source's: its files may hold other bytes
     todo = plan.to_copy(mine, current if same_source else {}, granularity)
+    if old is not None and not same_source:  # until a run finishes: no source's copy
+        old = dataclasses.replace(old, attrs={**old.attrs, plan.MIXED_SOURCES: True})
     _withdraw_changing(comm, topo.node_comm, dst_root, old, todo, "stage-in")
     chmod = plan.to_chmod(mine, current, _recorded_modes(trusted), granularity)
     with agreed(comm, "stage-in: removing what an interrupted run left"):
