@@ -909,9 +909,10 @@ struct batch {
 
 /* Read up to len bytes at off into buf, short only at end of file; -errno.  With
  * aligned (an aligned range, maybe through O_DIRECT), a read that ends off a page
- * boundary is the end of the file: reading on from there would be unaligned, which
+ * boundary at the file's end ends it: reading on from there would be unaligned, which
  * kernels before 5.5 refuse (EINVAL) and pread_retry would answer by dropping O_DIRECT
- * from the descriptor for good. */
+ * from the descriptor for good.  (A short read before the end, which a FUSE daemon
+ * may give, is read on from.) */
 static int64_t pread_full(int fd, unsigned char *buf, int64_t len, int64_t off, int aligned)
 {
     int64_t done = 0;
@@ -922,8 +923,11 @@ static int64_t pread_full(int fd, unsigned char *buf, int64_t len, int64_t off, 
         if (n == 0)
             break;
         done += n;
-        if (aligned && done % ALIGNMENT != 0)
-            break;
+        if (aligned && done % ALIGNMENT != 0) {
+            struct stat st;
+            if (fstat(fd, &st) == 0 && (int64_t)st.st_size <= off + done)
+                break;
+        }
     }
     return done;
 }
