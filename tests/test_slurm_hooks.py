@@ -198,6 +198,19 @@ def test_a_job_directory_deeper_than_python_recurses_is_drained_and_removed(site
     assert drain.read_manifest(site / "pfs" / layout.step_dirname(7))["time"] == 1.5
 
 
+def a_job_whose_drain_hangs(site: Path, env: dict) -> tuple[Path, list[Path]]:
+    """The prolog's job directory with a save of two nodes queued, node 0's record
+    replaced by a FIFO (the drain's open() of it never returns); the directory and the
+    nodes' journals."""
+    assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
+    job_dir = site / "local" / "nobody" / "bbio-4242"
+    journals = two_node_save(job_dir, 7, 1.5, pfs_root=site / "pfs")
+    record = drain.pending(journals[0])[0].source.parent / layout.node_record_name(0)
+    record.unlink()
+    os.mkfifo(record)
+    return job_dir, journals
+
+
 @as_root
 def test_an_epilog_stuck_on_a_fifo_the_job_left_ends_at_its_timeout(site):
     """A record replaced by a FIFO: the drain's open() never returns.  The epilog must
@@ -205,12 +218,7 @@ def test_an_epilog_stuck_on_a_fifo_the_job_left_ends_at_its_timeout(site):
     journals meanwhile (before, one child drained them one after another, and the
     other node's journal was never tried)."""
     env = hook_env(site)
-    assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
-    job_dir = site / "local" / "nobody" / "bbio-4242"
-    journals = two_node_save(job_dir, 7, 1.5, pfs_root=site / "pfs")
-    record = drain.pending(journals[0])[0].source.parent / layout.node_record_name(0)
-    record.unlink()
-    os.mkfifo(record)
+    job_dir, journals = a_job_whose_drain_hangs(site, env)
     chown_tree(job_dir, JOB.uid, JOB.gid)
     code = (
         "from bbio import slurm, cli; slurm.ENDING_GRACE_SECONDS = 2; raise SystemExit(cli.main())"
@@ -598,12 +606,7 @@ def test_making_room_and_draining_share_the_epilogs_timeout(site):
     the ``PrologEpilogTimeout`` the admin guide asks for, and Slurm killed it first."""
     env = hook_env(site)
     with tmpfs(site / "local", "size=8m,mode=0755"):
-        assert run_python("-m", "bbio", "slurm", "prolog", env=env).returncode == 0
-        job_dir = site / "local" / "nobody" / "bbio-4242"
-        journals = two_node_save(job_dir, 7, 1.5, pfs_root=site / "pfs")
-        record = drain.pending(journals[0])[0].source.parent / layout.node_record_name(0)
-        record.unlink()
-        os.mkfifo(record)
+        job_dir, _ = a_job_whose_drain_hangs(site, env)
         fill_up(job_dir / "0" / "filler")
         chown_tree(job_dir, JOB.uid, JOB.gid)
         code = (  # the epilog timed from its start: not the interpreter's
