@@ -261,6 +261,43 @@ def test_a_later_job_of_fewer_nodes_never_commits_a_checkpoint_of_more(tmp_path)
         merge_descriptions([node0], pfs_step)
 
 
+def files_unlike_the_manifest(step_dir: Path) -> list[str]:
+    """The files of the committed checkpoint in ``step_dir`` whose size or CRC32C is not
+    the manifest's."""
+    return [
+        entry["path"]
+        for entry in drain.read_manifest(step_dir)["files"]
+        if files.checksum_file(step_dir / entry["path"]) != (entry["size"], entry["crc32c"])
+    ]
+
+
+@pytest.mark.parametrize("left_queued", ["node 0", "both nodes"])
+def test_an_earlier_jobs_task_never_drains_over_a_later_jobs_save(tmp_path, left_queued):
+    """Job 1 saved step 7 (save 1.0) and was killed before (some of) its nodes drained it:
+    their tasks stay in their burst buffers' journals.  Job 2, on other nodes, saved step
+    7 again (2.0) and committed it.  Before, a later drain of job 1's journal (a job of the
+    same name on that node, or its epilog run again) copied the old file over job 2's
+    (the committed checkpoint torn), or, with both nodes' tasks left, committed the older
+    save over the newer one."""
+    pfs = tmp_path / "pfs"
+    step_dir = pfs / layout.step_dirname(7)
+    old = two_node_save(tmp_path / "bb-job-1", 7, 1.0, pfs_root=pfs)
+    if left_queued == "node 0":
+        assert drain.run(old[1], None, finish=True, timeout=60) == 0
+    drain.uncommit(step_dir, 2)  # job 2's save of step 7 drops job 1's copy first
+    for journal in two_node_save(tmp_path / "bb-job-2", 7, 2.0, pfs_root=pfs, elements=6):
+        assert drain.run(journal, None, finish=True, timeout=60) == 0
+    for journal in old[: 1 if left_queued == "node 0" else 2]:
+        assert drain.run(journal, None, finish=True, timeout=60) == 0
+        assert drain.pending(journal) == []  # done with: retired, not set aside
+        bb_record = next(Path(journal).parent.glob("step-*/node-*.json"))
+        assert files.read_json(bb_record)["retired"] is True
+    assert drain.read_manifest(step_dir)["time"] == 2.0
+    assert files_unlike_the_manifest(step_dir) == []
+    for node in (0, 1):
+        assert files.read_json(step_dir / layout.node_record_name(node))["time"] == 2.0
+
+
 def test_a_step_saved_again_while_draining_is_never_committed_from_mixed_saves(tmp_path):
     j0, j1 = two_node_save(tmp_path / "bb", 7, 1.5)
     old_task = drain.pending(j0)[0]

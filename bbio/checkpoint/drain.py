@@ -1537,6 +1537,9 @@ def _begin(journal: Path, task: Task, retry: bool = False) -> NodeCopy | None:
     if _retired(task, retry):
         _retire(journal, task)  # committed, then deleted by PFS retention since: done
         return None
+    if retry and _superseded(task):
+        _retire(journal, task)  # an earlier job's, its step saved again by a later job
+        return None
     if not task.is_save_of(files.read_json(bb_record)):
         _not_copied(journal, task)  # saved again or withdrawn: before any mkdir on the PFS
         return None
@@ -1606,6 +1609,39 @@ def _retired(task: Task, retry: bool = False) -> bool:
         return not step_dir.exists() and len(newer) >= task.keep_pfs
     except (OSError, BBIOError):
         return False  # copied again, as before
+
+
+def _superseded(task: Task) -> bool:
+    """Has a later save of ``task``'s step reached the PFS: committed there (its manifest)
+    or on its way (the record there of the same node index: a later job's node file at
+    the name this task would copy to)?  A task an earlier job left in this journal (its
+    drain killed, this host not in the jobs since) whose step a later job saved again
+    and drained: copied now, it would tear that job's committed checkpoint, or replace
+    it with the older save.  Two PFS lookups, made only for a ``retry`` (see
+    :func:`_begin`), whatever the number of nodes.  Not collective."""
+    step_dir, saved = Path(task.pfs_step_dir), task.save_time
+    if saved is None:  # a task of a bbio that did not say which save: copied, as before
+        return False
+
+    def later(document: dict[str, Any] | None) -> bool:
+        when = (document or {}).get("time")
+        return isinstance(when, (int, float)) and when > saved
+
+    try:
+        if later(_sound_manifest(step_dir)):
+            return True
+        return later(_readable_json(step_dir / layout.node_record_name(task.node)))
+    except OSError:
+        return False  # copied, as before
+
+
+def _readable_json(path: Path) -> dict[str, Any] | None:
+    """The JSON document at ``path``; None if there is none, or it is damaged."""
+    try:
+        document = files.read_json(path)
+    except IntegrityError:
+        return None
+    return document if isinstance(document, dict) else None
 
 
 def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -> bool:
