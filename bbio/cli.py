@@ -308,7 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="bbio",
         description="bbio: stage data between the PFS and node-local burst buffers, and "
         "look after checkpoints (run the MPI commands under mpirun or srun).",
-        epilog="Docs: README.md, docs/staging.md, docs/checkpoints.md, docs/configuration.md.",
+        epilog="Docs: README.md, docs/staging.md, docs/reading.md, docs/checkpoints.md, "
+        "docs/configuration.md, docs/admin-slurm.md.",
     )
     parser.add_argument("--version", action="version", version=f"bbio {__version__}")
     parser.add_argument(
@@ -324,7 +325,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     stage_in.add_argument("src", help="source directory (on the PFS)")
     stage_in.add_argument("dst", help="destination on each node; may contain {node}")
-    stage_in.add_argument("--mode", choices=["replicate", "shard"], default="replicate")
+    stage_in.add_argument(
+        "--mode",
+        choices=["replicate", "shard"],
+        default="replicate",
+        help="replicate: every node gets the whole tree (default); shard: each node a "
+        "subset balanced by bytes",
+    )
     _add_transfer_options(stage_in)
     stage_in.set_defaults(run=_cmd_stage_in)
 
@@ -356,8 +363,16 @@ def build_parser() -> argparse.ArgumentParser:
     packer.add_argument(
         "--shard-size", type=parse_size, default="1G", help="bytes per shard (default 1G)"
     )
-    packer.add_argument("--include", action="append", default=[], metavar="GLOB")
-    packer.add_argument("--exclude", action="append", default=[], metavar="GLOB")
+    packer.add_argument(
+        "--include", action="append", default=[], metavar="GLOB", help="only paths matching GLOB"
+    )
+    packer.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="leave out paths matching GLOB",
+    )
     packer.set_defaults(run=_cmd_pack)
 
     ckpt = commands.add_parser("ckpt", help="checkpoints on this node and the PFS (no MPI)")

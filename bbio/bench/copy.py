@@ -144,6 +144,7 @@ def run(ctx: BenchContext) -> None:
     if ctx.rank != 0:
         return
     base = ctx.args.dir or tempfile.gettempdir()
+    os.makedirs(base, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bbio-bench-copy-", dir=base))
     ctx.log(f"copy suite in {workdir} ({os.statvfs(workdir).f_bsize}-byte blocks)")
     try:

@@ -297,7 +297,7 @@ def wait_committed(
             with contextlib.suppress(BBIOError):  # what the drain said is a help, not a need
                 reported = drain.read_status(queued_here.parent).get("error")
             raise BBIOTimeoutError(
-                f"checkpoint {name} step {step} is not committed after {timeout:.0f} s; this "
+                f"checkpoint {name} step {step} is not committed after {timeout:g} s; this "
                 f"node's drain reports: {reported or 'no error'}",
                 path=step_dir,
                 hint="is a drain running? 'bbio ckpt drain --finish' runs one",

@@ -171,7 +171,7 @@ class SaveHandle:
                     hint = "a save or close starts a drain; so does 'bbio ckpt drain --finish'"
                 raise BBIOTimeoutError(
                     f"checkpoint {self.name} step {self.step} is not committed on the PFS after "
-                    f"{timeout:.0f} s: node(s) {missing} not drained yet; this node's drain {told}",
+                    f"{timeout:g} s: node(s) {missing} not drained yet; this node's drain {told}",
                     path=self.pfs_step_dir,
                     hint=hint,
                 )
