@@ -1829,6 +1829,23 @@ def test_a_commit_lock_names_its_owner_and_one_that_names_none_is_judged_by_its_
     assert json.loads(os.readlink(mine))["pid"] == os.getpid()
 
 
+def test_a_stale_commit_lock_is_removed_only_while_it_is_the_one_judged_stale(tmp_path):
+    """Two committers judged one stale lock at once: the first removed it and took its own,
+    then the second removed that one (it removed by name) and took the lock too, and both
+    committed.  Now a lock is moved aside first, and put back unless it is the one judged
+    stale."""
+    lock = tmp_path / drain.COMMIT_LOCK
+    os.symlink('{"host": "gone", "pid": 1, "time": 0}', lock)
+    judged = os.readlink(lock)
+    lock.unlink()  # the first committer removed it and took its own
+    os.symlink('{"host": "here", "pid": 2, "time": 1}', lock)
+    assert drain._remove_if_still(lock, judged) is False
+    assert os.readlink(lock) == '{"host": "here", "pid": 2, "time": 1}'
+    assert drain._remove_if_still(lock, os.readlink(lock)) is True
+    assert not os.path.lexists(lock) and os.listdir(tmp_path) == []
+    assert drain._remove_if_still(lock, judged) is True  # gone already
+
+
 def test_a_commit_lock_whose_pid_a_later_process_reuses_is_stale(tmp_path):
     """Node 0's committer died holding step 7's commit lock, and its PID now belongs to
     another process of the host (here: this one).  The lock says when its owner started,

@@ -958,6 +958,41 @@ def _lock_is_stale(lock: Path) -> bool:
         return True
 
 
+def _remove_if_stale(lock: Path) -> bool:
+    """Remove the commit lock ``lock`` if it is stale (:func:`_lock_is_stale`); True once
+    it is gone (here, or by another committer), False if a live one holds it."""
+    try:
+        judged = os.readlink(lock)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        judged = None  # not a link: stale by its age alone
+    if not _lock_is_stale(lock):
+        return False
+    return _remove_if_still(lock, judged)
+
+
+def _remove_if_still(lock: Path, judged: str | None) -> bool:
+    """Remove ``lock`` if it is still the link to ``judged`` (the lock judged stale): it is
+    moved aside first, and put back if it is another (of two committers that judged one
+    stale lock at once, the second removed the lock the first had just taken, and both
+    committed).  True once the judged lock is gone.  Not collective."""
+    aside = files.unique_temp_path(lock)
+    try:
+        os.rename(lock, aside)
+    except FileNotFoundError:
+        return True  # another committer removed it
+    try:
+        moved = os.readlink(aside)
+    except OSError:
+        moved = None
+    if moved != judged:  # a lock taken since, by a live committer: its again
+        os.rename(aside, lock)
+        return False
+    aside.unlink(missing_ok=True)
+    return True
+
+
 def _take_commit_lock(step_dir: Path) -> Path | None:
     """The commit lock of ``step_dir``, or None if a live committer holds it.  The lock
     is a symbolic link whose target names its owner (:func:`_lock_owner`): made with its
@@ -968,9 +1003,8 @@ def _take_commit_lock(step_dir: Path) -> Path | None:
         try:
             os.symlink(owner, lock)
         except FileExistsError:
-            if not _lock_is_stale(lock):
+            if not _remove_if_stale(lock):
                 return None
-            lock.unlink(missing_ok=True)
             continue
         except OSError as exc:
             raise from_oserror(exc, "take the commit lock", lock) from None
