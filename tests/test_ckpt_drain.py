@@ -744,6 +744,21 @@ def test_a_drain_killed_before_it_published_its_record_publishes_it_when_replaye
     assert not record_path.exists() and not files.temp_path(record_path).exists()
 
 
+def test_a_replay_copies_again_when_the_file_in_place_is_not_the_size_recorded(tmp_path):
+    """Drained, verified and recorded on the burst buffer, but the PFS then lost the rename
+    of the copy (a crash before its directory was durable) and an older file of the step
+    is at its name: a replay took that file for the copy (it looked only whether one was
+    there), so the step could be committed with the new CRC32C over the old bytes."""
+    j0, _ = two_node_save(tmp_path / "bb", 7, 1.5)
+    task = drain.pending(j0)[0]
+    assert drain.start_copy(task).finish(j0) is not None
+    task.target.write_bytes(b"an older save's node file")
+    replayed = drain.start_copy(task)
+    assert replayed.drained is None  # copied again
+    replayed.finish(j0)
+    assert files.checksum_file(task.target) == files.checksum_file(task.source)
+
+
 def test_global_view_is_made_in_place_durably_and_renamed_over_an_older_save_s(
     tmp_path, monkeypatch
 ):

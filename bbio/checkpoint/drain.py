@@ -663,7 +663,7 @@ def start_copy(task: Task) -> NodeCopy | None:
             existing is not None
             and task.is_save_of(existing)
             and existing.get("crc32c") == bb_record["crc32c"]
-            and task.target.exists()
+            and _size_of(task.target) == existing.get("size")  # not an older file there
         ):
             if unpublished and not _publish(task):
                 return None  # saved again since: not this save's to publish
@@ -676,6 +676,14 @@ def start_copy(task: Task) -> NodeCopy | None:
         copying.abandon()  # a retry copies again; a withdrawn save leaves nothing
         raise
     return copying
+
+
+def _size_of(path: Path) -> int | None:
+    """The size of the file at ``path``; None if there is none."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
 
 
 class NodeCopy:
