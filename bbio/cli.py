@@ -281,10 +281,7 @@ def _cmd_slurm(args: argparse.Namespace) -> int:
     return 1 if done.failed else 0
 
 
-def _add_transfer_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--verify", action="store_true", help="re-read every copy and compare CRC32C"
-    )
+def _add_filter_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--include", action="append", default=[], metavar="GLOB", help="only paths matching GLOB"
     )
@@ -293,8 +290,15 @@ def _add_transfer_options(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="GLOB",
-        help="leave out paths matching GLOB",
+        help="leave out paths matching GLOB (a directory: with all it holds)",
     )
+
+
+def _add_transfer_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--verify", action="store_true", help="re-read every copy and compare CRC32C"
+    )
+    _add_filter_options(parser)
     parser.add_argument(
         "--skip-unreadable",
         action="store_true",
@@ -363,16 +367,7 @@ def build_parser() -> argparse.ArgumentParser:
     packer.add_argument(
         "--shard-size", type=parse_size, default="1G", help="bytes per shard (default 1G)"
     )
-    packer.add_argument(
-        "--include", action="append", default=[], metavar="GLOB", help="only paths matching GLOB"
-    )
-    packer.add_argument(
-        "--exclude",
-        action="append",
-        default=[],
-        metavar="GLOB",
-        help="leave out paths matching GLOB",
-    )
+    _add_filter_options(packer)
     packer.set_defaults(run=_cmd_pack)
 
     ckpt = commands.add_parser("ckpt", help="checkpoints on this node and the PFS (no MPI)")

@@ -994,7 +994,7 @@ def _remove_if_still(lock: Path, judged: str | None) -> bool:
         moved = os.readlink(aside)
     except OSError:
         moved = None
-    if moved != judged:  # a lock taken since, by a live committer: its again
+    if moved != judged:  # a lock taken since, by a live committer: given back
         os.rename(aside, lock)
         return False
     aside.unlink(missing_ok=True)
