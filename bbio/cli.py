@@ -244,7 +244,7 @@ def _cmd_ckpt_wait(args: argparse.Namespace) -> int:
     step = (
         args.step
         if args.step is not None
-        else admin.newest_local_step(bb_root, args.name, args.node)
+        else admin.newest_local_step(bb_root, pfs_root, args.name, args.node)
     )
     admin.wait_committed(bb_root, pfs_root, args.name, step, args.timeout)
     print(f"checkpoint {args.name} step {step} is committed on the PFS")

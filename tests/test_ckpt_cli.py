@@ -273,10 +273,13 @@ def test_ls_and_verify_fail_on_roots_or_names_that_exist_nowhere(tmp_path, actio
     assert bbio_ckpt(tmp_path, action, "run").returncode == 0
 
 
-def test_wait_for_a_name_that_exists_nowhere_fails_at_once(tmp_path):
+@pytest.mark.parametrize("step", [["--step", "1"], []], ids=["a-step", "the-newest"])
+def test_wait_for_a_name_that_exists_nowhere_fails_at_once(tmp_path, step):
+    """Also without ``--step`` (the newest step here): before, that error named the burst
+    buffer alone and listed no names."""
     (tmp_path / "pfs" / "ckpt" / "run").mkdir(parents=True)
     started = time.monotonic()
-    typo = bbio_ckpt(tmp_path, "wait", "rnu", "--step", "1", "--timeout", "60")
+    typo = bbio_ckpt(tmp_path, "wait", "rnu", *step, "--timeout", "60")
     assert time.monotonic() - started < 30  # not polled until the timeout
     assert typo.returncode == 1 and not typo.stdout
     assert "no checkpointer 'rnu' in" in typo.stderr and "Checkpointers there: run" in typo.stderr

@@ -314,8 +314,11 @@ def _of_the_latest_save(save_time: float | None, step_dir: Path, queued_here: Pa
     return times <= {save_time, None}
 
 
-def newest_local_step(bb_root: Path, name: str, node: int | None = None) -> int:
-    """The newest step of ``name`` in this node's burst buffer.  Not collective."""
+def newest_local_step(bb_root: Path, pfs_root: Path, name: str, node: int | None = None) -> int:
+    """The newest step of ``name`` in this node's burst buffer.  Not collective.  A
+    ``name`` in neither tier is the :class:`NotFoundError` of ``bbio ckpt ls``, which
+    lists the names there are."""
+    _names_to_look_at(bb_root, pfs_root, name)
     bb_dir = bb_root / layout.CKPT_DIR / name
     copies = reader.bb_copies(bb_dir, node)
     if not copies:
