@@ -779,11 +779,32 @@ struct file_batch {
 #define SIDE_DESTINATION 1
 #define SIDE_SOURCE_NOT_REGULAR 2 /* gone, or replaced by a symlink, FIFO, directory */
 
+/* open and fsync, retried when a signal interrupts them (EINTR): the thread that
+ * calls in from Python copies too, and receives the job's signals; on a FUSE or NFS
+ * file system a signal interrupts the call instead of waiting for it. */
+static int open_retry(const char *path, int flags, mode_t mode)
+{
+    int fd;
+    do
+        fd = open(path, flags, mode);
+    while (fd < 0 && errno == EINTR);
+    return fd;
+}
+
+static int fsync_retry(int fd)
+{
+    int result;
+    do
+        result = fsync(fd);
+    while (result != 0 && errno == EINTR);
+    return result;
+}
+
 /* The source opened as the regular file a walk found: a symlink in its last
  * component is not followed, a FIFO does not block the open. */
 static int open_regular_source(const char *path, int *side)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    int fd = open_retry(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0);
     if (fd < 0) {
         int err = errno;
         *side = (err == ENOENT || err == ENOTDIR || err == ELOOP) ? SIDE_SOURCE_NOT_REGULAR
@@ -817,7 +838,7 @@ static void copy_one_file(struct file_batch *b, int64_t i, void *buf)
         b->errors[i] = errno;
         return;
     }
-    int dst_fd = open(b->dst[i], O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    int dst_fd = open_retry(b->dst[i], O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
     if (dst_fd < 0) {
         b->errors[i] = errno;
         b->failed_side[i] = SIDE_DESTINATION;
@@ -840,7 +861,7 @@ static void copy_one_file(struct file_batch *b, int64_t i, void *buf)
         times[0].tv_sec = times[1].tv_sec = (time_t)sec;
         times[0].tv_nsec = times[1].tv_nsec = (long)nsec;
         if (fchmod(dst_fd, (mode_t)(b->modes[i] & 07777)) != 0 ||
-            futimens(dst_fd, times) != 0 || fsync(dst_fd) != 0) {
+            futimens(dst_fd, times) != 0 || fsync_retry(dst_fd) != 0) {
             err = errno;
             failed_fd = dst_fd;
         }

@@ -828,3 +828,76 @@ def test_an_aligned_read_to_the_end_of_a_file_keeps_o_direct_on_older_kernels(tm
     if child.stdout.strip() == "no O_DIRECT here":
         pytest.skip(f"{tmp_path}'s file system takes no O_DIRECT")
     assert child.stdout.split() == ["[5904]", "True", "True"], child.stdout + child.stderr
+
+
+# A signal that interrupts a call on a FUSE or NFS file system: the first open() of a path
+# naming "interrupted", and the first fsync(), fail with EINTR.  Preloaded into a child.
+INTERRUPTED_ONCE = r"""
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <string.h>
+#include <sys/types.h>
+static int opens_interrupted, fsyncs_interrupted;
+int open(const char *path, int flags, ...)
+{
+    static int (*real)(const char *, int, ...);
+    if (!real)
+        real = (int (*)(const char *, int, ...))dlsym(RTLD_NEXT, "open");
+    va_list ap;
+    va_start(ap, flags);
+    mode_t mode = (mode_t)va_arg(ap, int);
+    va_end(ap);
+    if (strstr(path, "interrupted") && opens_interrupted < 2) {
+        opens_interrupted++;
+        errno = EINTR;
+        return -1;
+    }
+    return real(path, flags, mode);
+}
+int open64(const char *path, int flags, ...) __attribute__((alias("open")));
+int fsync(int fd)
+{
+    static int (*real)(int);
+    if (!real)
+        real = (int (*)(int))dlsym(RTLD_NEXT, "fsync");
+    if (!fsyncs_interrupted) {
+        fsyncs_interrupted = 1;
+        errno = EINTR;
+        return -1;
+    }
+    return real(fd);
+}
+"""
+
+COPY_SEALED = """
+import os, sys
+from bbio import _native
+src, dst = sys.argv[1], sys.argv[2]
+(done,) = _native.copy_files([src], [dst], threads=1, modes=[0o640], mtimes_ns=[10**18])
+print("error" if done.error else "copied", open(dst, "rb").read() == open(src, "rb").read())
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+def test_a_copy_interrupted_by_a_signal_in_open_or_fsync_is_retried(tmp_path):
+    """The thread that calls in from Python copies too, and receives the job's signals:
+    on a FUSE or NFS file system an open() or fsync() it interrupts fails with EINTR,
+    which failed the file's copy."""
+    shim = tmp_path / "interrupted.so"
+    (tmp_path / "interrupted.c").write_text(INTERRUPTED_ONCE)
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "interrupted.c"), "-ldl"],
+        check=True,
+    )
+    src = write_file(tmp_path / "interrupted-source.bin", random_bytes(70_000, seed=4))
+    child = subprocess.run(
+        [sys.executable, "-c", COPY_SEALED, str(src), str(tmp_path / "interrupted-copy.bin")],
+        env={**os.environ, "LD_PRELOAD": str(shim)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert child.stdout.split() == ["copied", "True"], child.stdout + child.stderr
