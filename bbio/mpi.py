@@ -270,21 +270,7 @@ def agreed_config(comm, what: str, config: Config | None) -> Config:
     rank raise the same :class:`ConfigError`, instead of leaving the other ranks in the
     call's first collective; a rank in another call makes every rank raise the
     :class:`UsageError` of :func:`check_same_call`."""
-    failure = None
-    if config is None:
-        try:
-            config = load_config()
-        except Exception as exc:  # every rank raises it, below
-            failure = describe_error(exc)
-    failures = [
-        (rank, *theirs)
-        for rank, theirs in enumerate(gather_in_call(comm, what, failure))
-        if theirs is not None
-    ]
-    if failures:
-        raise agreed_error(failures, f"{what}: reading the settings", comm.Get_size())
-    assert config is not None
-    return config
+    return agreed_allgather(comm, what, lambda: config or load_config())[comm.Get_rank()]
 
 
 def agreed_allgather(comm, what: str, fn: Callable[[], T], quiet: bool = False) -> list[T]:

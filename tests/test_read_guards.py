@@ -12,17 +12,12 @@ import pytest
 
 import bbio
 from tests.test_read import MODES, config_for
+from tests.test_read_usage import same_everywhere
 
 pytestmark = pytest.mark.mpi(min_size=2)
 
 RECORDS = 400  # int64 records of 16 bytes: record i holds i twice
 HINT = "close the loader (or iterate it to its end) before reading the dataset directly"
-
-
-def same_everywhere(comm, error: BaseException) -> str:
-    message = str(error)
-    assert comm.allgather(message) == [message] * comm.Get_size()
-    return message
 
 
 @pytest.fixture

@@ -1085,10 +1085,7 @@ def try_commit(
         for n in range(nodes):
             if n in known:
                 continue
-            try:
-                now = files.read_json(step_dir / layout.node_record_name(n))
-            except IntegrityError:
-                return False
+            now = files.read_json_if_sound(step_dir / layout.node_record_name(n))
             if now is None or now.get("time") != save:
                 return False
         return known_current()
@@ -1462,10 +1459,8 @@ def trim_bb(
         if step in aside:
             continue
         step_dir = bb_ckpt_dir / layout.step_dirname(step)
-        try:
-            record = files.read_json(step_dir / layout.node_record_name(node)) or {}
-        except IntegrityError:  # a damaged record: kept for the admin, never trimmed
-            record = {}
+        # a damaged record: kept for the admin, never trimmed
+        record = files.read_json_if_sound(step_dir / layout.node_record_name(node)) or {}
         if record and record_problem(record) is not None:
             record = {}  # damaged too (not a record's fields): kept the same way
         drained = record.get("crc32c") is not None or record.get("retired") is True
@@ -1672,18 +1667,9 @@ def _superseded(task: Task) -> bool:
     try:
         if later(_sound_manifest(step_dir)):
             return True
-        return later(_readable_json(step_dir / layout.node_record_name(task.node)))
+        return later(files.read_json_if_sound(step_dir / layout.node_record_name(task.node)))
     except OSError:
         return False  # copied, as before
-
-
-def _readable_json(path: Path) -> dict[str, Any] | None:
-    """The JSON document at ``path``; None if there is none, or it is damaged."""
-    try:
-        document = files.read_json(path)
-    except IntegrityError:
-        return None
-    return document if isinstance(document, dict) else None
 
 
 def _complete(journal: Path, task: Task, commits: _Commits, copying: NodeCopy) -> bool:

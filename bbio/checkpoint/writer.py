@@ -452,11 +452,12 @@ def _open_spare(
         fd = os.open(temp, os.O_WRONLY | os.O_CLOEXEC)
         try:
             size = os.fstat(fd).st_size
-            if size + growth <= reserve:
+            fits = size + growth <= reserve
+            if fits:
                 _reserve_up_to(fd, reserve)
         finally:
             os.close(fd)
-        if size + growth > reserve:
+        if not fits:
             log.info(
                 "checkpoint file %s: the spare (%d bytes) could grow past the %d bytes its "
                 "save may take: laid out anew",

@@ -338,31 +338,22 @@ def _check_capacity(out: Path, shards: Sequence[Sequence[Entry]]) -> None:
         )
 
 
-def _listed_shards(document: object, key: str) -> set[str]:
+def _listed_shards(document: dict | None, key: str) -> set[str]:
     """The file names of shards that ``document[key]`` lists (an index's shards, a marker's
-    names); none when the document has no such list."""
-    listed = document.get(key) if isinstance(document, dict) else None
+    names); none when there is no document, or it has no such list."""
+    listed = (document or {}).get(key)
     if not isinstance(listed, list):
         return set()
     names = (item.get("file") if isinstance(item, dict) else item for item in listed)
     return {name for name in names if isinstance(name, str)}
 
 
-def _read_record(path: Path) -> object:
-    """The JSON document at ``path``; None when there is none or it is damaged (a record
-    that cannot be read records nothing)."""
-    try:
-        return files.read_json(path)
-    except IntegrityError:
-        return None
-
-
 def recorded_shards(out: Path) -> set[str]:
     """The shard files an earlier bbio pack into ``out`` recorded: those its index lists,
     and those the marker of a pack that was writing there (or failed) lists.  Not
-    collective."""
-    return _listed_shards(_read_record(out / INDEX_NAME), "shards") | _listed_shards(
-        _read_record(out / PENDING_NAME), "shards"
+    collective.  A damaged index or marker records nothing."""
+    return _listed_shards(files.read_json_if_sound(out / INDEX_NAME), "shards") | _listed_shards(
+        files.read_json_if_sound(out / PENDING_NAME), "shards"
     )
 
 

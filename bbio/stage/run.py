@@ -1247,18 +1247,17 @@ def _parents(documents: Iterable[Manifest | None]) -> set[str]:
 def _record_pending(
     root: Path,
     old: Manifest | None,
-    earlier: Sequence[Entry],
+    recorded: Sequence[Entry],
     pending: Manifest | None,
     changing: Sequence[Entry],
 ) -> str:
     """Not collective: before anything under ``root`` changes, add the versions about to be
-    written there (``changing``) and those they replace (``old``'s entries and its
-    ``earlier`` versions) to its pending record, so that the next run knows them for
-    bbio's if this one is interrupted; then withdraw their entries from ``old``.  Returns
-    the record's token, for the manifest to name."""
+    written there (``changing``) and those they replace (of ``recorded``: every version
+    stage-out wrote or began to write there) to its pending record, so that the next run
+    knows them for bbio's if this one is interrupted; then withdraw their entries from
+    ``old``, its manifest.  Returns the record's token, for the manifest to name."""
     paths = {e.path for e in changing}
     begun = pending.entries if pending is not None else []
-    recorded = [*(old.entries if old is not None else []), *earlier]
     replaced = [e for e in recorded if e.path in paths]
     token = os.urandom(8).hex()
     versions = list(dict.fromkeys([*begun, *replaced, *changing]))
@@ -1412,7 +1411,7 @@ def _stage_out(
                 "free space there, or stage out fewer files (--include/--exclude)",
             )
             if todo_all or created:
-                token = _record_pending(dst_root, old, earlier, pending, [*todo_all, *created])
+                token = _record_pending(dst_root, old, recorded, pending, [*todo_all, *created])
             _make_dirs(dst_root, created, None)
             _set_modes(dst_root, chmod)
     comm.Barrier()

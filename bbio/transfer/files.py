@@ -375,6 +375,15 @@ def read_json(path: Path) -> dict[str, Any] | None:
     return document
 
 
+def read_json_if_sound(path: Path) -> dict[str, Any] | None:
+    """:func:`read_json`, with a damaged document (not valid JSON, not an object) taken
+    for none."""
+    try:
+        return read_json(path)
+    except IntegrityError:
+        return None
+
+
 def _damaged(path: Path, what: str) -> IntegrityError:
     return IntegrityError(
         f"the file is damaged: {what}",
